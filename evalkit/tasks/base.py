@@ -1,0 +1,48 @@
+"""What a task gives the runner (samples) and what it does with predictions (score)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable
+
+from evalkit.registry import Registry
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request. The prompt is `context`, then `question`, then `answer_prefix`.
+
+    `context` is what query-agnostic compression compresses before the question
+    is seen; `question` and `answer_prefix` come after it.
+    """
+
+    id: str
+    context: str
+    question: str
+    answer_prefix: str
+    references: list[str]
+    max_new_tokens: int
+    meta: dict = field(default_factory=dict)
+
+
+PromptLength = Callable[[Sample], int]
+"""Tokens the evaluated model sees for a sample (chat template included): tasks fit lengths with it."""
+
+
+class Task(ABC):
+    name: str
+    description: str  # one line, for `evalkit tasks`
+    source: str  # where the data and the semantics come from
+    metric: str  # name of the metric `score` computes
+
+    @abstractmethod
+    def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
+        """`n` samples whose prompt plus `max_new_tokens` fits in `length` tokens; same seed, same samples."""
+
+    @abstractmethod
+    def score(self, prediction: str, references: list[str]) -> float:
+        """Score in [0, 1] for one prediction."""
+
+
+TASKS: Registry[Task] = Registry("task")
