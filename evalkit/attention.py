@@ -1,0 +1,102 @@
+"""The attention function evalkit installs into a transformers model.
+
+Each layer's call appends the new K/V to that layer's storage, reads back every
+(sequence, KV head)'s kept slots, attends over them with masks built from the
+slots' original positions (holes and the future masked), and hands the
+statistics the policy asked for back to the storage. RoPE is applied before
+caching, so slot order does not matter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from evalkit.cache import KVCache
+
+ATTENTION_NAME = "evalkit"
+_ELEMENTS_PER_BLOCK = 1 << 25  # bounds the score block of the reference at 128 MiB of float32
+
+
+@dataclass
+class ForwardPlan:
+    """Per-forward metadata, built once by the generation loop and read by every layer."""
+
+    cache: KVCache
+    positions: torch.Tensor  # [B, T] original positions of the new tokens
+    valid: torch.Tensor  # [B, T] False = padding: not stored, not counted in statistics
+    collect: str | None  # statistic the policy needs ("attention") or None
+
+
+def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None):
+    """Attention of new queries over kept slots, in torch; the CPU path and the kernels' reference.
+
+    q: [B, H_q, T, D], q_pos/q_valid: [B, T]; k, v: [B, H_kv, N, D], k_pos: [B, H_kv, N] (-1 = empty).
+    Returns out: [B, T, H_q, D] and, if `collect == "attention"`, stats: [B, H_kv, N] float32 = each
+    slot's probability summed over valid queries, averaged over the G = H_q / H_kv query heads.
+    Queries are processed in blocks so memory stays O(T_block * N), never T * N for long prompts.
+    """
+    B, H_q, T, D = q.shape
+    H_kv, N = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    q = q.view(B, H_kv, G, T, D)
+    out = torch.empty(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
+    stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None
+    block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
+    k_t = k.transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, N]
+    for start in range(0, T, block):
+        stop = min(T, start + block)
+        qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
+        kp = k_pos[:, :, None, None, :]  # [B, H_kv, 1, 1, N]
+        allowed = (kp >= 0) & (kp <= qp)
+        if sliding_window:
+            allowed &= kp > qp - sliding_window
+        # A padding query may see no slot at all; let it see everything rather than produce NaN.
+        allowed |= ~allowed.any(-1, keepdim=True)
+        scores = torch.matmul(q[:, :, :, start:stop], k_t) * scaling  # [B, H_kv, G, t, N]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:, :, :, start:stop] = torch.matmul(probs, v[:, :, None])
+        if stats is not None:
+            weight = q_valid[:, None, None, start:stop, None].to(torch.float32)
+            stats += (probs.float() * weight).sum(dim=3).mean(dim=2)
+    return out.view(B, H_q, T, D).transpose(1, 2), stats
+
+
+def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       evalkit_plan: ForwardPlan | None = None, sliding_window=None, **kwargs):
+    if evalkit_plan is None:
+        raise RuntimeError("the evalkit attention runs only inside evalkit's generation loop")
+    plan = evalkit_plan
+    layer = plan.cache.layers[module.layer_idx]
+    layer.append(key, value, plan.positions, plan.valid)
+    view = layer.read()
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    # Dispatch point: the Triton kernels take over here on CUDA tensors (kernels issue).
+    out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, view.pos,
+                                     scaling, sliding_window, plan.collect)
+    if stats is not None:
+        layer.add_stats(view.index, stats)
+    return out, None
+
+
+def _no_mask(*args, **kwargs):
+    """Masks come from the slots' positions inside the attention function, not from transformers."""
+    return None
+
+
+@contextlib.contextmanager
+def evalkit_attention(model):
+    """Route the model's attention through evalkit for the duration of the block."""
+    AttentionInterface.register(ATTENTION_NAME, _evalkit_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,220 @@
+"""KV storage for one layer: a flat array of slots, and who owns which slot.
+
+Every slot holds one token of one KV head: K and V rows `[D]`, the token's
+original position (-1 = empty) and a float32 statistic owned by the policy.
+A layout only decides which slots belong to which (sequence, KV head):
+
+- `PagedLayer`: pages of `S` slots from a `BlockPool`, one block table per
+  (sequence, KV head), so heads keep different tokens and an empty page is
+  really returned to the pool.
+- `DenseLayer`: a fixed `[B, H_kv, C]` buffer, the baseline layout.
+
+Everything else (append, read, evict, compact, accounting) is shared, so the
+same policy gives the same tokens on both. The last slots are a sentinel that
+is always empty: views pad ragged heads with it and attention masks it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.cache.pool import BlockPool, PoolExhausted
+
+
+@dataclass
+class SlotView:
+    """A layer's slots gathered per (sequence, KV head); ragged heads padded with empty slots."""
+
+    index: torch.Tensor  # [B, H_kv, N] flat slot ids
+    k: torch.Tensor  # [B, H_kv, N, D]
+    v: torch.Tensor  # [B, H_kv, N, D]
+    pos: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty
+    stats: torch.Tensor  # [B, H_kv, N] float32 policy statistic
+
+
+class SlotLayer:
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, num_slots: int, sentinel_slots: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
+        total = num_slots + sentinel_slots
+        self.k = torch.zeros(total, head_dim, dtype=dtype, device=device)  # [slots, D]
+        self.v = torch.zeros(total, head_dim, dtype=dtype, device=device)
+        self.pos = torch.full((total,), -1, dtype=torch.long, device=device)
+        self.stats = torch.zeros(total, dtype=torch.float32, device=device)
+        self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
+
+    # layout-specific -------------------------------------------------------
+    def slot_index(self) -> torch.Tensor:
+        """[B, H_kv, N] the slots of each (sequence, KV head), in fill order."""
+        raise NotImplementedError
+
+    def _reserve(self, free_needed: torch.Tensor) -> None:
+        """Make sure head (b, h) has `free_needed[b, h]` empty slots."""
+        raise NotImplementedError
+
+    def _release_empty(self) -> None:
+        """Return storage that holds no live token."""
+
+    def held_slots(self) -> torch.Tensor:
+        """[B] slots held (allocated) per sequence."""
+        raise NotImplementedError
+
+    # shared ------------------------------------------------------------------
+    def read(self) -> SlotView:
+        index = self.slot_index()
+        return SlotView(index, self.k[index], self.v[index], self.pos[index], self.stats[index])
+
+    def live_counts(self) -> torch.Tensor:
+        """[B, H_kv] tokens held per head."""
+        return (self.pos[self.slot_index()] >= 0).sum(-1)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> None:
+        """Write new tokens into each head's lowest free slots.
+
+        k, v: [B, H_kv, T, D]; pos: [B, T] original positions; valid: [B, T] (False = padding, not stored).
+        """
+        B, H, T, _ = k.shape
+        n_new = valid.sum(1)  # [B]
+        if int(n_new.max()) == 0:
+            return
+        index = self.slot_index()
+        free_now = self._real(index, self.pos[index] < 0).sum(-1)
+        self._reserve((n_new[:, None] - free_now).clamp(min=0))
+        index = self.slot_index()
+        free = self._real(index, self.pos[index] < 0)
+        # Free slots first, each group kept in fill order: the i-th new token takes the i-th free slot.
+        order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., : int(n_new.max())]
+        lowest_free = index.gather(2, order)  # [B, H, m]
+        rank = (valid.cumsum(1) - 1).clamp(min=0)  # [B, T] rank of each token among its sequence's new ones
+        dest = lowest_free.gather(2, rank[:, None, :].expand(B, H, T))
+        store = valid[:, None, :].expand(B, H, T)
+        dest = dest[store]
+        self.k[dest] = k[store]
+        self.v[dest] = v[store]
+        self.pos[dest] = pos[:, None, :].expand(B, H, T)[store]
+        self.stats[dest] = 0.0
+
+    def _real(self, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return mask & (index < self.num_real_slots)
+
+    @property
+    def num_real_slots(self) -> int:
+        raise NotImplementedError
+
+    def add_stats(self, index: torch.Tensor, stats: torch.Tensor) -> None:
+        """Accumulate a [B, H_kv, N] statistic into the slots of a view (H2O's running attention sums)."""
+        self.stats.index_add_(0, index.reshape(-1), stats.reshape(-1).float())
+
+    def evict(self, index: torch.Tensor, keep: torch.Tensor) -> None:
+        """Empty every live slot of the view where `keep` is False."""
+        drop = index[~keep & (self.pos[index] >= 0)]
+        self.pos[drop] = -1
+        self.stats[drop] = 0.0
+        self._release_empty()
+
+    def compact(self) -> None:
+        """Pack each head's live tokens, in fill order, into its first slots; free what is left."""
+        index = self.slot_index()
+        live = self.pos[index] >= 0
+        order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
+        src = index.gather(2, order)  # live slots first
+        kept = live.sum(-1, keepdim=True)
+        move = torch.arange(index.shape[-1], device=index.device) < kept  # view slots [0, kept) receive
+        src, dst = src[move], index[move]
+        k, v, pos, stats = self.k[src], self.v[src], self.pos[src], self.stats[src]
+        self.pos[index[live]] = -1
+        self.k[dst], self.v[dst], self.pos[dst], self.stats[dst] = k, v, pos, stats
+        self._release_empty()
+
+    def bytes_held(self) -> torch.Tensor:
+        """[B] KV bytes allocated to each sequence."""
+        return self.held_slots() * self.token_bytes
+
+    def bytes_ideal(self) -> torch.Tensor:
+        """[B] KV bytes of the tokens each sequence really keeps."""
+        return self.live_counts().sum(-1) * self.token_bytes
+
+
+class PagedLayer(SlotLayer):
+    """Pages of `block_size` slots, one KV head per page, a block table per (sequence, KV head)."""
+
+    def __init__(self, batch, kv_heads, head_dim, num_pages: int, block_size: int, dtype, device):
+        super().__init__(batch, kv_heads, head_dim, num_pages * block_size, block_size, dtype, device)
+        self.block_size = block_size
+        self.pool = BlockPool(num_pages, block_size)
+        self.null_page = num_pages  # the sentinel page
+        self.tables: list[list[list[int]]] = [[[] for _ in range(kv_heads)] for _ in range(batch)]
+        self._index: torch.Tensor | None = None
+
+    @property
+    def num_real_slots(self) -> int:
+        return self.pool.num_pages * self.block_size
+
+    def block_table(self) -> torch.Tensor:
+        """[B, H_kv, max_pages] int32 page ids, padded with the sentinel page."""
+        width = max(1, max(len(t) for row in self.tables for t in row))
+        padded = [[t + [self.null_page] * (width - len(t)) for t in row] for row in self.tables]
+        return torch.tensor(padded, dtype=torch.int32, device=self.pos.device)
+
+    def slot_index(self) -> torch.Tensor:
+        if self._index is None:
+            S = self.block_size
+            offsets = torch.arange(S, device=self.pos.device)
+            pages = self.block_table().long()
+            self._index = (pages[..., None] * S + offsets).flatten(2)  # [B, H, pages * S]
+        return self._index
+
+    def _reserve(self, free_needed: torch.Tensor) -> None:
+        pages_needed = (free_needed + self.block_size - 1) // self.block_size
+        if int(pages_needed.sum()) == 0:
+            return
+        pages = iter(self.pool.allocate(int(pages_needed.sum())))
+        for b, h in pages_needed.nonzero().tolist():
+            self.tables[b][h] += [next(pages) for _ in range(int(pages_needed[b, h]))]
+        self._index = None
+
+    def _release_empty(self) -> None:
+        S = self.block_size
+        page_live = (self.pos.view(-1, S) >= 0).any(1)
+        page_live[self.null_page] = True
+        table = self.block_table().long()
+        dead = ~page_live[table]
+        if not bool(dead.any()):
+            return
+        for b, h in dead.any(-1).nonzero().tolist():
+            gone = [p for p in self.tables[b][h] if not page_live[p]]
+            self.tables[b][h] = [p for p in self.tables[b][h] if page_live[p]]
+            self.pool.free(gone)
+        self._index = None
+
+    def held_slots(self) -> torch.Tensor:
+        pages = [sum(len(t) for t in row) for row in self.tables]
+        return torch.tensor(pages, device=self.pos.device) * self.block_size
+
+
+class DenseLayer(SlotLayer):
+    """The baseline: a fixed `[B, H_kv, capacity]` buffer, written with scatter, read with gather."""
+
+    def __init__(self, batch, kv_heads, head_dim, capacity: int, dtype, device):
+        super().__init__(batch, kv_heads, head_dim, batch * kv_heads * capacity, 1, dtype, device)
+        self.capacity = capacity
+        self._index = torch.arange(batch * kv_heads * capacity, device=device).view(batch, kv_heads, capacity)
+
+    @property
+    def num_real_slots(self) -> int:
+        return self.batch * self.kv_heads * self.capacity
+
+    def slot_index(self) -> torch.Tensor:
+        return self._index
+
+    def _reserve(self, free_needed: torch.Tensor) -> None:
+        if bool((free_needed > 0).any()):
+            raise PoolExhausted(
+                f"dense KV cache full: capacity {self.capacity} tokens per head, "
+                f"{int(free_needed.max())} more asked (raise the capacity)"
+            )
+
+    def held_slots(self) -> torch.Tensor:
+        return torch.full((self.batch,), self.kv_heads * self.capacity, device=self.pos.device)

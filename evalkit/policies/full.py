@@ -1,0 +1,19 @@
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.policies.base import POLICIES, Policy, ScoreInput
+
+
+@dataclass
+class Full(Policy):
+    """The reference: every token stays, whatever the budget."""
+
+    description = "no eviction: the full cache every other policy is compared with"
+    evicts = False
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        return torch.zeros_like(inp.attention)
+
+
+POLICIES.register("full", lambda: Full(name="full"))

@@ -1,0 +1,27 @@
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.policies.base import Policy, ScoreInput, register_presets
+
+
+@dataclass
+class H2O(Policy):
+    """Heavy hitters: the tokens with the most accumulated attention, plus a recent window.
+
+    The statistic is the sum over every query so far (prompt column sums, then one row
+    per decoded token) of the softmax probability the token received, averaged over the
+    query heads that share its KV head. Half the budget goes to the recent window, as in
+    the paper's default (heavy ratio = recent ratio).
+    """
+
+    recent_fraction: float = 0.5
+    description = "accumulated attention (heavy hitters) + recent window"
+    paper = "H2O: Heavy-Hitter Oracle (arXiv:2306.14048)"
+    collect = "attention"
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        return inp.attention
+
+
+register_presets(H2O, "h2o", aliases={"token": ("h2o_block1",)})

