@@ -16,8 +16,8 @@ from evalkit.assets import essays_dir
 from evalkit.errors import EvalkitError
 
 # A sentence ends at . ! or ?, perhaps closed by a quote or bracket, before a space and what can
-# start a sentence. Close to nltk's punkt on these essays, without its model download; a rare
-# abbreviation ("Mr. Smith") splits, which only moves a needle by a few words.
+# start a sentence. Simpler than RULER's nltk punkt (which needs a model download); where they
+# differ, say after an abbreviation ("Mr. Smith"), a needle moves by a few words only.
 _SENTENCE_BREAK = re.compile(r"""(?:(?<=[.!?])|(?<=[.!?]["')\]]))\s+(?=["'(\[]?[A-Z0-9])""")
 
 

