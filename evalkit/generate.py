@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -53,6 +54,10 @@ class Generation:
     timing: dict = field(default_factory=dict)  # batch-wide seconds and token counts
 
 
+Observer = Callable[[str, KVCache], None]
+"""Called as observe(event, cache) with event "forward" after every forward and "prefill" once prefill is done."""
+
+
 @dataclass
 class _State:
     model: torch.nn.Module
@@ -61,6 +66,7 @@ class _State:
     settings: GenerationSettings
     seen: torch.Tensor  # [B] tokens each sequence has fed so far
     collect: str | None
+    observe: Observer | None = None
 
 
 def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +85,8 @@ def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch
                       logits_to_keep=1, evalkit_plan=plan)
     counts = valid.sum(1)
     state.seen += counts
+    if state.observe:
+        state.observe("forward", state.cache)
     return out.logits[:, -1].float().cpu(), counts
 
 
@@ -110,6 +118,8 @@ def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]
         step_logits, counts = forward(state, appended)
         logits = torch.where(counts[:, None] > 0, step_logits, logits)
     state.cache.compact()
+    if state.observe:
+        state.observe("prefill", state.cache)
     return logits
 
 
@@ -159,7 +169,8 @@ def decode(state: _State, logits: torch.Tensor, requests: list[Request], tokeniz
 
 
 @torch.inference_mode()
-def generate(model, tokenizer, requests: list[Request], settings: GenerationSettings) -> list[Generation]:
+def generate(model, tokenizer, requests: list[Request], settings: GenerationSettings,
+             observe: Observer | None = None) -> list[Generation]:
     """Generate answers for a batch of requests under one policy and budget."""
     policy = settings.policy
     if settings.query_aware:
@@ -180,7 +191,7 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
     cache = KVCache.create(settings.layout, model.config, len(requests), capacity, settings.block_size,
                            model.dtype, model.device, settings.pool_pages)
     state = _State(model, cache, policy, settings, torch.zeros(len(requests), dtype=torch.long),
-                   policy.collect if bool(evicting.any()) else None)
+                   policy.collect if bool(evicting.any()) else None, observe)
     eos_ids = _eos_ids(model, tokenizer)
 
     with evalkit_attention(model):

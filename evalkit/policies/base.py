@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -36,10 +37,10 @@ class Policy:
     recent_fraction: float = 0.0  # share of the budget given to the most recent tokens, always kept
     name: str = field(default="", compare=False)
 
-    description = ""
-    paper = ""
-    collect: str | None = None
-    evicts = True  # False: keeps everything whatever the budget
+    description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    collect: ClassVar[str | None] = None
+    evicts: ClassVar[bool] = True  # False: keeps everything whatever the budget
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         """[B, H_kv, N] higher = keep; empty slots are ignored whatever their score."""

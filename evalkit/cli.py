@@ -1,0 +1,135 @@
+"""`evalkit` command line. Bad input is one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from evalkit.errors import EvalkitError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Judge sparse KV-cache policies: quality lost per budget, memory and time saved.")
+out = Console()
+err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2):
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def run(
+    policy: str = typer.Option("h2o_head", help="Policy name (see `evalkit policies`)."),
+    budget: str = typer.Option("0.2", help="Fraction of the prompt kept, in (0, 1], or tokens kept per head (integer > 1)."),
+    task: str = typer.Option("ruler:niah_single_2", help="Task name (see `evalkit tasks`)."),
+    length: int = typer.Option(2048, help="Prompt + answer tokens per sample."),
+    samples: int = typer.Option(10, help="Number of samples."),
+    model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
+    layout: str = typer.Option("paged", help="KV storage: paged (per-head block tables) or dense."),
+    block_size: int = typer.Option(16, help="Tokens per page (also the page of --granularity page)."),
+    granularity: Optional[str] = typer.Option(None, help="Override the policy's granularity: head, token or page."),
+    prefill: str = typer.Option("full", help="full: compress once after the prompt; chunked: after every chunk."),
+    chunk_size: int = typer.Option(512, help="Tokens per chunk with --prefill chunked."),
+    query_aware: bool = typer.Option(True, "--query-aware/--query-agnostic",
+                                     help="Compress with the question in the prompt, or before it is seen."),
+    decode_eviction: bool = typer.Option(True, "--decode-eviction/--no-decode-eviction",
+                                         help="Keep the cache at budget while decoding, or let it grow."),
+    temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples with --seed."),
+    seed: int = typer.Option(0, help="Seed for samples, random policies and sampling."),
+    batch_size: int = typer.Option(1, help="Prompts per generation batch."),
+    pool_pages: Optional[int] = typer.Option(None, help="Pages per layer's pool (default: what the batch needs)."),
+    dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    out_dir: str = typer.Option("runs", "--out", help="Results folder."),
+    wandb: str = typer.Option("auto", help="auto (online only with credentials), off, offline, online."),
+):
+    """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
+    from evalkit.config import RunConfig
+    from evalkit.runner import run as run_eval
+
+    config = RunConfig(policy=policy, budget=budget, task=task, length=length, samples=samples, model=model,
+                       layout=layout, block_size=block_size, granularity=granularity, prefill=prefill,
+                       chunk_size=chunk_size, query_aware=query_aware, decode_eviction=decode_eviction,
+                       temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
+                       dtype=dtype, device=device, out=out_dir, wandb=wandb)
+    result = run_eval(config, err)
+    _print_result(result)
+
+
+def _print_result(result) -> None:
+    m, base = result.metrics, result.baseline
+    table = Table(title=f"{result.run_id}  ({m['samples']} samples)", title_justify="left")
+    for column in ("score", "full-cache score", "KV held / full", "KV held", "kept tokens/head",
+                   "prefill tok/s", "decode tok/s"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"{100 * m['score']:.1f}",
+        f"{100 * base['score']:.1f}" if base else "not run yet",
+        f"{100 * m['held_over_full']:.1f}%",
+        f"{m['bytes_held'] / 2**20:.1f} MiB of {m['bytes_full'] / 2**20:.1f}",
+        f"{m['kept_tokens']:.0f} of {m['prompt_tokens']:.0f}",
+        f"{m['prefill_tokens_per_s']:.0f}",
+        f"{m['decode_tokens_per_s']:.1f}",
+    )
+    out.print(table)
+    note = "already complete" if result.resumed_from < 0 else (
+        f"resumed after {result.resumed_from} samples" if result.resumed_from else "")
+    out.print(f"results: {result.path}" + (f" ({note})" if note else ""))
+
+
+@app.command()
+def policies():
+    """List the registered policies."""
+    from evalkit.policies import POLICIES
+
+    table = Table()
+    for column in ("name", "granularity", "description", "paper"):
+        table.add_column(column)
+    for name in POLICIES.names():
+        policy = POLICIES.create(name)
+        aliases = POLICIES.aliases_of(name)
+        label = name + (f" ({', '.join(aliases)})" if aliases else "")
+        granularity = policy.granularity if policy.evicts else "-"
+        table.add_row(label, granularity, policy.description, policy.paper)
+    out.print(table)
+
+
+@app.command()
+def tasks():
+    """List the registered tasks."""
+    from evalkit.tasks import TASKS
+
+    table = Table()
+    for column in ("name", "metric", "description", "source"):
+        table.add_column(column)
+    for name in TASKS.names():
+        task = TASKS.create(name)
+        aliases = TASKS.aliases_of(name)
+        table.add_row(name + (f" ({', '.join(aliases)})" if aliases else ""), task.metric, task.description,
+                      task.source)
+    out.print(table)
+
+
+def main():
+    try:
+        app(standalone_mode=False)
+    except EvalkitError as error:
+        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err.print("interrupted: finished samples are saved; run the same command again to resume")
+        sys.exit(130)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except typer.TyperException as error:  # usage errors: bad option values, unknown options
+        message = error.format_message() if hasattr(error, "format_message") else str(error)
+        if message:
+            err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+        sys.exit(getattr(error, "exit_code", 2))

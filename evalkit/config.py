@@ -1,0 +1,100 @@
+"""The one validated object a run is made from; everything in it is checked before any work starts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, fields
+
+from evalkit.assets import DEFAULT_MODEL
+from evalkit.cache import LAYOUTS
+from evalkit.errors import EvalkitError
+from evalkit.policies import GRANULARITIES, POLICIES
+from evalkit.tasks import TASKS
+
+WANDB_MODES = ("auto", "off", "offline", "online")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def parse_budget(text: str | float | int) -> float | int:
+    """A fraction in (0, 1] of the prompt ('0.2', '1', '1.0') or a token count, an integer > 1 ('512')."""
+    raw = str(text).strip()
+    if re.fullmatch(r"[+-]?\d+", raw):
+        value = int(raw)
+        if value <= 0:
+            raise EvalkitError(f"budget must be > 0, got {raw}")
+        return 1.0 if value == 1 else value
+    try:
+        value = float(raw)
+    except ValueError:
+        raise EvalkitError(f"budget must be a fraction in (0, 1] or a token count > 1, got {raw!r}") from None
+    if not 0 < value <= 1:
+        raise EvalkitError(
+            f"budget {raw} is out of range: a fraction must be in (0, 1]; a token count must be an integer > 1"
+        )
+    return value
+
+
+@dataclass
+class RunConfig:
+    policy: str = "h2o_head"
+    budget: float | int = 0.2
+    task: str = "ruler:niah_single_2"
+    length: int = 2048  # prompt + answer tokens per sample, fitted with the model's tokenizer
+    samples: int = 10
+    model: str = DEFAULT_MODEL
+    layout: str = "paged"
+    block_size: int = 16
+    granularity: str | None = None  # None: the policy's own
+    prefill: str = "full"
+    chunk_size: int = 512
+    query_aware: bool = True
+    decode_eviction: bool = True
+    temperature: float = 0.0
+    seed: int = 0
+    batch_size: int = 1
+    pool_pages: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    out: str = "runs"
+    wandb: str = "auto"
+
+    # Fields that cannot change a result: left out of the run id.
+    _NOT_IN_ID = ("out", "wandb", "batch_size")
+
+    def validate(self) -> "RunConfig":
+        self.policy = POLICIES.canonical(self.policy)
+        self.task = TASKS.canonical(self.task)
+        self.budget = parse_budget(self.budget)
+        _choice("granularity", self.granularity, GRANULARITIES, optional=True)
+        _choice("layout", self.layout, LAYOUTS)
+        _choice("prefill", self.prefill, ("full", "chunked"))
+        _choice("wandb", self.wandb, WANDB_MODES)
+        _choice("dtype", self.dtype, DTYPES)
+        for name in ("block_size", "chunk_size", "samples", "length", "batch_size"):
+            if getattr(self, name) < 1:
+                raise EvalkitError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.pool_pages is not None and self.pool_pages < 1:
+            raise EvalkitError(f"pool-pages must be >= 1, got {self.pool_pages}")
+        if self.temperature < 0:
+            raise EvalkitError(f"temperature must be >= 0, got {self.temperature}")
+        return self
+
+    def identity(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._NOT_IN_ID}
+
+    def run_id(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
+        task = self.task.split(":")[-1]
+        return f"{task}-{self.policy}-{self.budget}-{digest}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _choice(name: str, value, allowed, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value not in allowed:
+        raise EvalkitError(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")

@@ -1,0 +1,514 @@
+"""KV storage bookkeeping against exact state: BlockPool, PagedLayer, DenseLayer.
+
+Hand-written cases check exact page ids, slots, positions, K/V/stats and byte counts;
+a random-sequence test runs append / evict / add_stats / compact on both layouts next to
+a plain-Python model of the paged layout (pages, fill order, pool) and of the tokens each
+head must hold, with an invariant checker after every operation.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from evalkit.cache import BlockPool, DenseLayer, PagedLayer, PoolExhausted
+from evalkit.errors import EvalkitError
+
+D = 4
+TOKEN_BYTES = 2 * D * 4  # K and V rows of float32
+
+
+def paged(batch, heads, pages, block):
+    return PagedLayer(batch, heads, D, pages, block, torch.float32, "cpu")
+
+
+def dense(batch, heads, capacity):
+    return DenseLayer(batch, heads, D, capacity, torch.float32, "cpu")
+
+
+def tokens(positions, heads, valid=None, tag=0):
+    """k, v [B, H, T, D] with a distinct value per (batch row, head, token index); pos, valid [B, T]."""
+    pos = torch.tensor(positions, dtype=torch.long)
+    B, T = pos.shape
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(heads).view(1, heads, 1, 1)
+    t = torch.arange(T).view(1, 1, T, 1)
+    k = (tag * 10000 + b * 1000 + h * 100 + t * 10 + torch.arange(D)).float()
+    v = -k - 0.5
+    valid = torch.ones(B, T, dtype=torch.bool) if valid is None else torch.tensor(valid)
+    return k, v, pos, valid
+
+
+def append(layer, positions, valid=None, tag=0):
+    k, v, pos, valid_t = tokens(positions, layer.kv_heads, valid, tag)
+    layer.append(k, v, pos, valid_t)
+    return k, v
+
+
+def evict_positions(layer, drop):
+    """Evict, per (b, h), the positions listed in drop[b][h]."""
+    view = layer.read()
+    keep = torch.ones_like(view.pos, dtype=torch.bool)
+    for b, row in enumerate(drop):
+        for h, positions in enumerate(row):
+            for p in positions:
+                keep[b, h] &= view.pos[b, h] != p
+    layer.evict(view.index, keep)
+
+
+def live_stats(view):
+    """The statistic of live slots, 0 on empty ones (an empty slot's statistic is never read)."""
+    return torch.where(view.pos >= 0, view.stats, 0.0)
+
+
+# --- BlockPool ---------------------------------------------------------------------------------
+
+def test_pool_hands_out_the_lowest_free_ids_first():
+    pool = BlockPool(6, block_size=4)
+    assert (pool.num_free, pool.num_used) == (6, 0)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert (pool.num_free, pool.num_used) == (3, 3)
+    pool.free([1, 0])
+    assert (pool.num_free, pool.num_used) == (5, 1)
+    assert pool.allocate(3) == [0, 1, 3]
+    assert pool.allocate(0) == []
+    assert pool.allocate(2) == [4, 5]
+    assert (pool.num_free, pool.num_used) == (0, 6)
+
+
+def test_pool_double_free_raises():
+    pool = BlockPool(4, block_size=2)
+    pages = pool.allocate(2)
+    pool.free([pages[0]])
+    with pytest.raises(ValueError, match="page 0 freed twice"):
+        pool.free([0])
+    with pytest.raises(ValueError, match="page 3 freed twice"):  # never handed out
+        pool.free([3])
+    assert (pool.num_free, pool.num_used) == (3, 1)
+
+
+def test_pool_exhaustion_names_the_pool_size_and_the_amount_asked():
+    pool = BlockPool(5, block_size=16)
+    pool.allocate(3)
+    with pytest.raises(PoolExhausted, match=r"asked for 3 more pages of 16 tokens, 2 of 5 free"):
+        pool.allocate(3)
+    assert (pool.num_free, pool.num_used) == (2, 3)  # a refused request takes nothing
+    assert issubclass(PoolExhausted, EvalkitError)
+    assert pool.allocate(2) == [3, 4]
+
+
+# --- PagedLayer, exact state -------------------------------------------------------------------
+
+def test_paged_append_evict_and_hole_reuse():
+    layer = paged(1, 2, pages=8, block=2)
+    k, v = append(layer, [[0, 1, 2]])
+    # 3 tokens, block 2 -> 2 pages per head; (b0, h0) is served first: pages 0, 1; then h1: 2, 3
+    assert layer.tables == [[[0, 1], [2, 3]]]
+    view = layer.read()
+    assert view.index.tolist() == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert view.pos.tolist() == [[[0, 1, 2, -1], [0, 1, 2, -1]]]
+    assert torch.equal(view.k[0, 0, :3], k[0, 0]) and torch.equal(view.v[0, 1, :3], v[0, 1])
+    assert (layer.pool.num_free, layer.pool.num_used) == (4, 4)
+    assert layer.live_counts().tolist() == [[3, 3]]
+    assert layer.bytes_held().tolist() == [8 * TOKEN_BYTES]  # 4 pages of 2 slots
+    assert layer.bytes_ideal().tolist() == [6 * TOKEN_BYTES]
+
+    # per-head eviction: head 0 drops position 1, head 1 drops 0 and 1 (its page 2 empties)
+    evict_positions(layer, [[[1], [0, 1]]])
+    assert layer.tables == [[[0, 1], [3]]]
+    assert layer.pool.num_free == 5
+    view = layer.read()
+    assert view.index.tolist() == [[[0, 1, 2, 3], [6, 7, 16, 17]]]  # h1 padded with the sentinel page 8
+    assert view.pos.tolist() == [[[0, -1, 2, -1], [2, -1, -1, -1]]]
+    assert layer.live_counts().tolist() == [[2, 1]]
+    assert layer.bytes_held().tolist() == [6 * TOKEN_BYTES]
+    assert layer.bytes_ideal().tolist() == [3 * TOKEN_BYTES]
+
+    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 7, then takes the lowest free page: 2
+    k2, v2 = append(layer, [[3, 4]], tag=1)
+    assert layer.tables == [[[0, 1], [3, 2]]]
+    view = layer.read()
+    assert view.index.tolist() == [[[0, 1, 2, 3], [6, 7, 4, 5]]]
+    assert view.pos.tolist() == [[[0, 3, 2, 4], [2, 3, 4, -1]]]
+    assert torch.equal(layer.k[1], k2[0, 0, 0]) and torch.equal(layer.k[3], k2[0, 0, 1])
+    assert torch.equal(layer.k[7], k2[0, 1, 0]) and torch.equal(layer.v[4], v2[0, 1, 1])
+    assert torch.equal(layer.k[0], k[0, 0, 0]) and torch.equal(layer.k[6], k[0, 1, 2])  # untouched
+    assert layer.pool.num_free == 4
+
+
+def test_paged_compact_packs_each_head_and_moves_k_v_pos_stats():
+    layer = paged(1, 2, pages=8, block=2)
+    k, v = append(layer, [[0, 1, 2, 3, 4, 5]])
+    assert layer.tables == [[[0, 1, 2], [3, 4, 5]]]
+    evict_positions(layer, [[[0, 2, 3, 5], [1, 2, 4]]])  # head 0 keeps 1, 4; head 1 keeps 0, 3, 5
+    assert layer.tables == [[[0, 2], [3, 4, 5]]]  # page 1 held positions 2, 3 only
+    view = layer.read()
+    assert view.pos.tolist() == [[[-1, 1, 4, -1, -1, -1], [0, -1, -1, 3, -1, 5]]]
+    stats = torch.where(view.pos >= 0, view.pos * 10 + torch.tensor([0, 1]).view(1, 2, 1), 0).float()
+    layer.add_stats(view.index, stats)  # h0: pos1 -> 10, pos4 -> 40; h1: pos0 -> 1, pos3 -> 31, pos5 -> 51
+
+    layer.compact()
+    # head 0: 2 live -> ceil(2/2) = 1 page (its first, page 0); head 1: 3 live -> 2 pages (3, 4)
+    assert layer.tables == [[[0], [3, 4]]]
+    assert layer.pool.num_free == 5
+    view = layer.read()
+    assert view.index.tolist() == [[[0, 1, 16, 17], [6, 7, 8, 9]]]
+    assert view.pos.tolist() == [[[1, 4, -1, -1], [0, 3, 5, -1]]]  # fill order kept
+    assert live_stats(view).tolist() == [[[10, 40, 0, 0], [1, 31, 51, 0]]]
+    assert torch.equal(view.k[0, 0, :2], k[0, 0, [1, 4]]) and torch.equal(view.v[0, 0, :2], v[0, 0, [1, 4]])
+    assert torch.equal(view.k[0, 1, :3], k[0, 1, [0, 3, 5]]) and torch.equal(view.v[0, 1, :3], v[0, 1, [0, 3, 5]])
+    assert layer.bytes_held().tolist() == [6 * TOKEN_BYTES]
+    assert layer.bytes_ideal().tolist() == [5 * TOKEN_BYTES]
+
+    # next token: head 0's only page is full -> lowest free page 1; head 1 fills slot 9 (new stats 0)
+    append(layer, [[6]], tag=1)
+    assert layer.tables == [[[0, 1], [3, 4]]]
+    view = layer.read()
+    assert view.pos.tolist() == [[[1, 4, 6, -1], [0, 3, 5, 6]]]
+    # a new token starts at 0 even in slot 9, which held position 3 (stat 31) before the compact
+    assert live_stats(view).tolist() == [[[10, 40, 0, 0], [1, 31, 51, 0]]]
+
+
+def test_paged_compact_with_block_four_keeps_ceil_kept_over_block_pages():
+    layer = paged(1, 1, pages=4, block=4)
+    append(layer, [list(range(13))])  # 4 pages: 0..3
+    evict_positions(layer, [[[0, 1, 2, 4, 5, 8, 9, 10]]])  # keeps 3 | 6 7 | 11 | 12: 5 tokens on 4 pages
+    assert layer.tables == [[[0, 1, 2, 3]]]
+    layer.compact()
+    assert layer.tables == [[[0, 1]]]  # ceil(5 / 4) = 2
+    assert layer.read().pos.tolist() == [[[3, 6, 7, 11, 12, -1, -1, -1]]]
+    assert layer.pool.num_free == 2
+    evict_positions(layer, [[[3, 6, 7, 11, 12]]])  # everything: every page back to the pool
+    assert layer.tables == [[[]]] and layer.pool.num_free == 4
+    assert layer.read().pos.tolist() == [[[-1, -1, -1, -1]]]  # only the sentinel page
+    assert layer.bytes_held().tolist() == [0]
+
+
+def test_paged_padding_is_not_stored_and_rows_allocate_in_order():
+    layer = paged(2, 2, pages=8, block=2)
+    # row 0: 3 tokens then padding; row 1: left padding then 1 token
+    k, v = append(layer, [[0, 1, 2, 9], [7, 8, 9, 0]], valid=[[True, True, True, False], [False, False, False, True]])
+    # (0,0): 2 pages, (0,1): 2 pages, (1,0): 1 page, (1,1): 1 page, lowest ids in that order
+    assert layer.tables == [[[0, 1], [2, 3]], [[4], [5]]]
+    view = layer.read()
+    assert view.pos.tolist() == [[[0, 1, 2, -1], [0, 1, 2, -1]], [[0, -1, -1, -1], [0, -1, -1, -1]]]
+    assert torch.equal(layer.k[8], k[1, 0, 3]) and torch.equal(layer.v[10], v[1, 1, 3])
+    assert layer.live_counts().tolist() == [[3, 3], [1, 1]]
+    assert layer.bytes_held().tolist() == [8 * TOKEN_BYTES, 4 * TOKEN_BYTES]
+    assert layer.bytes_ideal().tolist() == [6 * TOKEN_BYTES, 2 * TOKEN_BYTES]
+    # a step where only row 1 has a token: row 0 is untouched
+    append(layer, [[5], [1]], valid=[[False], [True]], tag=1)
+    assert layer.tables == [[[0, 1], [2, 3]], [[4], [5]]]
+    assert layer.read().pos.tolist()[1] == [[0, 1, -1, -1], [0, 1, -1, -1]]
+    # an all-padding step changes nothing
+    append(layer, [[5], [2]], valid=[[False], [False]], tag=2)
+    assert layer.live_counts().tolist() == [[3, 3], [2, 2]]
+    assert layer.pool.num_free == 2
+
+
+def test_paged_pool_too_small_raises_and_changes_nothing():
+    layer = paged(1, 2, pages=3, block=2)
+    with pytest.raises(PoolExhausted, match=r"asked for 4 more pages of 2 tokens, 3 of 3 free"):
+        append(layer, [[0, 1, 2]])  # 2 heads x ceil(3/2) pages = 4 > 3
+    assert layer.tables == [[[], []]]
+    assert layer.pool.num_free == 3
+    assert layer.live_counts().tolist() == [[0, 0]]
+    append(layer, [[0, 1]])
+    assert layer.tables == [[[0], [1]]]
+
+
+# --- DenseLayer, exact state -------------------------------------------------------------------
+
+def test_dense_fills_lowest_free_slot_and_compacts():
+    layer = dense(1, 2, capacity=4)
+    k, v = append(layer, [[0, 1, 2]])
+    assert layer.read().pos.tolist() == [[[0, 1, 2, -1], [0, 1, 2, -1]]]
+    evict_positions(layer, [[[1], [0]]])
+    assert layer.read().pos.tolist() == [[[0, -1, 2, -1], [-1, 1, 2, -1]]]
+    k2, v2 = append(layer, [[3, 4]], tag=1)
+    view = layer.read()
+    assert view.pos.tolist() == [[[0, 3, 2, 4], [3, 1, 2, 4]]]
+    assert torch.equal(view.k[0, 0, 1], k2[0, 0, 0]) and torch.equal(view.v[0, 1, 0], v2[0, 1, 0])
+    assert layer.bytes_held().tolist() == [2 * 4 * TOKEN_BYTES]  # the whole buffer, whatever is live
+    assert layer.bytes_ideal().tolist() == [8 * TOKEN_BYTES]
+
+    with pytest.raises(PoolExhausted, match=r"capacity 4 tokens per head, 1 more asked"):
+        append(layer, [[5]], tag=2)
+    assert layer.read().pos.tolist() == [[[0, 3, 2, 4], [3, 1, 2, 4]]]  # unchanged
+
+    evict_positions(layer, [[[2, 3], [3]]])  # head 0 keeps 0, 4; head 1 keeps 1, 2, 4
+    view = layer.read()
+    layer.add_stats(view.index, torch.where(view.pos >= 0, view.pos + 1, 0).float())
+    layer.compact()
+    view = layer.read()
+    assert view.pos.tolist() == [[[0, 4, -1, -1], [1, 2, 4, -1]]]
+    assert live_stats(view).tolist() == [[[1, 5, 0, 0], [2, 3, 5, 0]]]
+    assert torch.equal(view.k[0, 0, 1], k2[0, 0, 1]) and torch.equal(view.k[0, 1, 0], k[0, 1, 1])
+    assert layer.bytes_held().tolist() == [2 * 4 * TOKEN_BYTES]
+    assert layer.bytes_ideal().tolist() == [5 * TOKEN_BYTES]
+
+
+def test_dense_padding_is_not_stored():
+    layer = dense(2, 1, capacity=3)
+    k, _ = append(layer, [[0, 1, 2], [4, 0, 1]], valid=[[True, True, False], [False, True, True]])
+    view = layer.read()
+    assert view.pos.tolist() == [[[0, 1, -1]], [[0, 1, -1]]]
+    assert torch.equal(view.k[1, 0, 0], k[1, 0, 1])
+    # row 0 has 1 free slot, row 1 too: 1 more token each fits, 2 do not
+    with pytest.raises(PoolExhausted, match=r"capacity 3 tokens per head, 1 more asked"):
+        append(layer, [[2, 3], [2, 3]], tag=1)
+
+
+# --- random operation sequences against a model ------------------------------------------------
+
+class PagedModel:
+    """Plain-Python paged layout: pool (lowest id first), block tables, page contents, fill order."""
+
+    def __init__(self, B, H, S, num_pages):
+        self.B, self.H, self.S = B, H, S
+        self.free = list(range(num_pages))
+        self.tables = [[[] for _ in range(H)] for _ in range(B)]
+        self.pages = {}  # page id -> [position or None] * S
+
+    def slots(self, b, h):
+        return [(p, o) for p in self.tables[b][h] for o in range(self.S)]
+
+    def live(self, b, h):
+        return [self.pages[p][o] for p, o in self.slots(b, h) if self.pages[p][o] is not None]
+
+    def append(self, new):
+        """new[b] = positions stored for row b; False if the pool cannot serve them (nothing changes)."""
+        need = [[math.ceil(max(0, len(new[b]) - (len(self.slots(b, h)) - len(self.live(b, h)))) / self.S)
+                 for h in range(self.H)] for b in range(self.B)]
+        if sum(map(sum, need)) > len(self.free):
+            return False
+        for b in range(self.B):
+            for h in range(self.H):
+                for _ in range(need[b][h]):
+                    page = self.free.pop(0)
+                    self.tables[b][h].append(page)
+                    self.pages[page] = [None] * self.S
+                holes = [(p, o) for p, o in self.slots(b, h) if self.pages[p][o] is None]
+                for (p, o), position in zip(holes, new[b]):
+                    self.pages[p][o] = position
+        return True
+
+    def evict(self, keep):
+        for b in range(self.B):
+            for h in range(self.H):
+                for p, o in self.slots(b, h):
+                    if self.pages[p][o] is not None and not keep(b, h, self.pages[p][o]):
+                        self.pages[p][o] = None
+        self._release()
+
+    def compact(self):
+        for b in range(self.B):
+            for h in range(self.H):
+                live = self.live(b, h)
+                for i, (p, o) in enumerate(self.slots(b, h)):
+                    self.pages[p][o] = live[i] if i < len(live) else None
+        self._release()
+
+    def _release(self):
+        for row in self.tables:
+            for table in row:
+                for p in [p for p in table if all(x is None for x in self.pages[p])]:
+                    table.remove(p)
+                    self.free.append(p)
+                    del self.pages[p]
+        self.free.sort()
+
+    def view_pos(self):
+        width = max(1, max(len(t) for row in self.tables for t in row)) * self.S
+        return [[[-1 if self.pages[p][o] is None else self.pages[p][o] for p, o in self.slots(b, h)]
+                 + [-1] * (width - len(self.slots(b, h))) for h in range(self.H)] for b in range(self.B)]
+
+
+class DenseModel:
+    def __init__(self, B, H, capacity):
+        self.slots = [[[None] * capacity for _ in range(H)] for _ in range(B)]
+
+    def append(self, new):
+        for b, row in enumerate(self.slots):
+            for slots in row:
+                holes = [i for i, x in enumerate(slots) if x is None]
+                for i, position in zip(holes, new[b]):
+                    slots[i] = position
+
+    def evict(self, keep):
+        for b, row in enumerate(self.slots):
+            for h, slots in enumerate(row):
+                for i, x in enumerate(slots):
+                    if x is not None and not keep(b, h, x):
+                        slots[i] = None
+
+    def compact(self):
+        for row in self.slots:
+            for slots in row:
+                live = [x for x in slots if x is not None]
+                slots[:] = live + [None] * (len(slots) - len(live))
+
+    def view_pos(self):
+        return [[[-1 if x is None else x for x in slots] for slots in row] for row in self.slots]
+
+
+def head_tokens(layer, b, h):
+    """{position: (k, v, stat)} held by (b, h)."""
+    view = layer.read()
+    live = view.pos[b, h] >= 0
+    positions = view.pos[b, h][live].tolist()
+    assert len(set(positions)) == len(positions), "a position stored twice in one head"
+    return {p: (view.k[b, h][live][i], view.v[b, h][live][i], float(view.stats[b, h][live][i]))
+            for i, p in enumerate(positions)}
+
+
+def check_paged(layer, model, data, peak, after_compact):
+    S, pool = layer.block_size, layer.pool
+    # pool bookkeeping
+    assert pool.num_free + pool.num_used == pool.num_pages
+    free = sorted(pool._free)
+    assert free == [p for p in range(pool.num_pages) if pool._is_free[p]]
+    assert free == model.free
+    in_tables = [p for row in layer.tables for t in row for p in t]
+    assert len(in_tables) == len(set(in_tables)), "a page in two block tables"
+    assert not set(in_tables) & set(free), "a page both free and in a table"
+    assert len(in_tables) == pool.num_used
+    # exact layout: same tables, same positions slot by slot (fill order, lowest free slot first)
+    assert layer.tables == model.tables
+    view = layer.read()
+    assert view.pos.tolist() == model.view_pos()
+    assert (layer.pos[layer.null_page * S:] == -1).all(), "the sentinel page holds a token"
+    live = layer.live_counts()
+    for b in range(layer.batch):
+        for h in range(layer.kv_heads):
+            n, pages = int(live[b, h]), len(layer.tables[b][h])
+            for p in layer.tables[b][h]:  # a page exists only while it holds a live slot
+                assert (layer.pos[p * S:(p + 1) * S] >= 0).any(), f"page {p} held with no live slot"
+            assert math.ceil(n / S) <= pages <= min(n, math.ceil(peak[b][h] / S))
+            if after_compact:
+                assert pages == math.ceil(n / S)
+    assert layer.bytes_held().tolist() == [sum(len(t) for t in row) * S * TOKEN_BYTES for row in layer.tables]
+    check_tokens(layer, data)
+
+
+def check_tokens(layer, data):
+    """The tokens held per head, with their K, V and statistic, equal the model's."""
+    for b in range(layer.batch):
+        for h in range(layer.kv_heads):
+            held = head_tokens(layer, b, h)
+            expected = data[b][h]
+            assert sorted(held) == sorted(expected)
+            for p, (k, v, stat) in expected.items():
+                assert torch.equal(held[p][0], k) and torch.equal(held[p][1], v)
+                assert held[p][2] == stat
+    assert layer.bytes_ideal().tolist() == [sum(len(d) for d in row) * TOKEN_BYTES for row in data]
+
+
+def add_random_stats(seed, layers, data):
+    """Add a small integer (exact in float32) to every live token's statistic, on each layer and in `data`."""
+    g = torch.Generator().manual_seed(seed)
+    add = {(b, h, p): float(torch.randint(1, 8, (), generator=g))
+           for b, row in enumerate(data) for h, head in enumerate(row) for p in sorted(head)}
+    for layer in layers:
+        view = layer.read()
+        stats = torch.zeros(view.pos.shape)
+        for (b, h, p), x in add.items():
+            stats[b, h][view.pos[b, h] == p] = x
+        layer.add_stats(view.index, stats)
+    for (b, h, p), x in add.items():
+        k, v, stat = data[b][h][p]
+        data[b][h][p] = (k, v, stat + x)
+
+
+op = st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 4), st.integers(0, 2**31 - 1), st.sampled_from([1.0, 0.7, 0.4, 0.0])),
+    st.tuples(st.just("evict"), st.integers(0, 2**31 - 1), st.sampled_from([0.8, 0.5, 0.2, 1.0, 0.0])),
+    st.tuples(st.just("stats"), st.integers(0, 2**31 - 1)),
+    st.tuples(st.just("compact")),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(B=st.integers(1, 3), H=st.integers(1, 3), S=st.sampled_from([1, 2, 4]), extra_pages=st.integers(0, 12),
+       ops=st.lists(op, min_size=1, max_size=14))
+def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages, ops):
+    num_pages = B * H + extra_pages  # small pools run out: the model predicts exactly when
+    capacity = 4 * len(ops)
+    pl, dl = paged(B, H, num_pages, S), dense(B, H, capacity)
+    model, dmodel = PagedModel(B, H, S, num_pages), DenseModel(B, H, capacity)
+    data = [[{} for _ in range(H)] for _ in range(B)]  # position -> (k, v, stat) per head
+    peak = [[0] * H for _ in range(B)]  # most tokens a head held since the last compact
+    seen = [0] * B
+
+    for step in ops:
+        kind = step[0]
+        compacted = False
+        if kind == "append":
+            _, T, seed, p_valid = step
+            g = torch.Generator().manual_seed(seed)
+            valid = torch.rand(B, T, generator=g) < p_valid
+            pos = torch.full((B, T), 999, dtype=torch.long)  # padding positions are junk
+            for b in range(B):
+                n = int(valid[b].sum())
+                pos[b][valid[b]] = torch.arange(seen[b], seen[b] + n)
+            k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
+            new = [pos[b][valid[b]].tolist() for b in range(B)]
+            if model.append(new):
+                pl.append(k, v, pos, valid)
+                dl.append(k, v, pos, valid)
+                dmodel.append(new)
+                for b in range(B):
+                    seen[b] += len(new[b])
+                    for h in range(H):
+                        for t in range(T):
+                            if valid[b, t]:
+                                data[b][h][int(pos[b, t])] = (k[b, h, t], v[b, h, t], 0.0)
+                        peak[b][h] = max(peak[b][h], len(data[b][h]))
+            else:
+                event("pool exhausted")
+                with pytest.raises(PoolExhausted):
+                    pl.append(k, v, pos, valid)
+        elif kind == "evict":
+            _, seed, p_keep = step
+            add_random_stats(seed + 1, (pl, dl), data)  # as H2O does: statistics, then eviction
+            g = torch.Generator().manual_seed(seed)
+            view = pl.read()
+            keep = torch.rand(view.pos.shape, generator=g) < p_keep  # random bits on empty slots too
+            decision = {(b, h, int(view.pos[b, h, i])): bool(keep[b, h, i])
+                        for b in range(B) for h in range(H) for i in range(view.pos.shape[-1]) if view.pos[b, h, i] >= 0}
+            pl.evict(view.index, keep)
+            dview = dl.read()
+            dkeep = torch.rand(dview.pos.shape, generator=g) < 0.5
+            for (b, h, p), kept in decision.items():
+                dkeep[b, h][dview.pos[b, h] == p] = kept
+            dl.evict(dview.index, dkeep)
+            model.evict(lambda b, h, p: decision[(b, h, p)])
+            dmodel.evict(lambda b, h, p: decision[(b, h, p)])
+            for (b, h, p), kept in decision.items():
+                if not kept:
+                    del data[b][h][p]
+        elif kind == "stats":
+            add_random_stats(step[1], (pl, dl), data)
+        else:
+            pl.compact()
+            dl.compact()
+            model.compact()
+            dmodel.compact()
+            peak = [[len(d) for d in row] for row in data]
+            compacted = True
+            event("compact")
+
+        check_paged(pl, model, data, peak, compacted)
+        assert dl.read().pos.tolist() == dmodel.view_pos()
+        check_tokens(dl, data)
+        assert dl.bytes_held().tolist() == [H * capacity * TOKEN_BYTES] * B
+        assert torch.equal(pl.live_counts(), dl.live_counts())
+        for b in range(B):  # both layouts hold the same tokens with the same K, V, statistic
+            for h in range(H):
+                paged_tokens, dense_tokens = head_tokens(pl, b, h), head_tokens(dl, b, h)
+                assert sorted(paged_tokens) == sorted(dense_tokens)
+                for p, (k, v, stat) in paged_tokens.items():
+                    assert torch.equal(dense_tokens[p][0], k) and torch.equal(dense_tokens[p][1], v)
+                    assert dense_tokens[p][2] == stat

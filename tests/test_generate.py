@@ -1,0 +1,194 @@
+"""The generation loop against transformers' own greedy generation, and its budget promises."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.policies import POLICIES, make_policy
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+NEW = 12
+
+
+def prompts(lengths=(17, 40, 5), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt, new=NEW):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def run(model, prompt_list, policy="full", budget=1.0, split=None, observe=None, **settings):
+    """Requests with no EOS stop (the tiny models have none) and `split` context tokens when given."""
+    model.generation_config.eos_token_id = None
+    split = split or (lambda p: len(p))
+    requests = [Request(p[: split(p)], p[split(p):], NEW) for p in prompt_list]
+    return generate(model, None, requests, GenerationSettings(make_policy(policy), budget=budget, **settings),
+                    observe=observe)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+def test_full_budget_matches_hf_greedy_on_a_mixed_length_batch(arch, layout):
+    model = tiny_model(arch)
+    batch = prompts()
+    expected = [hf_greedy(model, p) for p in batch]
+    assert len({tuple(e) for e in expected}) == len(expected)  # the prompts really lead different ways
+    for policy, budget in (("full", 1.0), ("full", 0.1), ("h2o_head", 1.0)):
+        got = run(model, batch, policy, budget, layout=layout, block_size=4)
+        assert [g.token_ids for g in got] == expected, (policy, budget)
+
+
+@pytest.mark.parametrize("name", POLICIES.names())
+def test_every_policy_at_budget_one_is_the_full_cache(name):
+    model = tiny_model("llama")
+    batch = prompts()
+    expected = [hf_greedy(model, p) for p in batch]
+    for settings in (dict(), dict(prefill="chunked", chunk_size=8), dict(query_aware=False),
+                     dict(layout="dense", decode_eviction=False)):
+        got = run(model, batch, name, 1.0, split=lambda p: len(p) - 3, block_size=4, **settings)
+        assert [g.token_ids for g in got] == expected, settings
+        assert all(g.kept_tokens == g.prompt_tokens for g in got)
+
+
+def test_token_budget_larger_than_the_prompt_evicts_nothing():
+    model = tiny_model("llama")
+    batch = prompts()
+    got = run(model, batch, "h2o_head", 64, block_size=4)
+    assert [g.token_ids for g in got] == [hf_greedy(model, p) for p in batch]
+
+
+def kept_sets(cache):
+    """{(layer, b, h): frozenset of positions}"""
+    sets = {}
+    for li, layer in enumerate(cache.layers):
+        pos = layer.read().pos
+        for b in range(pos.shape[0]):
+            for h in range(pos.shape[1]):
+                sets[li, b, h] = frozenset(p for p in pos[b, h].tolist() if p >= 0)
+    return sets
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES.names() if n != "full"])
+@pytest.mark.parametrize("settings", [dict(), dict(prefill="chunked", chunk_size=8), dict(query_aware=False)],
+                         ids=["full-prefill", "chunked", "query-agnostic"])
+def test_paged_and_dense_keep_the_same_tokens_and_outputs(name, settings):
+    model = tiny_model("llama")
+    batch = prompts((30, 45, 12))
+    results = {}
+    for layout in ("paged", "dense"):
+        snapshots = []
+        gens = run(model, batch, name, 0.3, split=lambda p: len(p) - 4, layout=layout, block_size=4,
+                   observe=lambda event, cache: snapshots.append(kept_sets(cache)), **settings)
+        results[layout] = ([g.token_ids for g in gens], snapshots)
+    assert results["paged"][0] == results["dense"][0]
+    assert results["paged"][1] == results["dense"][1]
+    # And eviction did happen: some head holds fewer tokens than the sequence has seen.
+    last = results["paged"][1][-1]
+    assert any(len(s) < len(batch[b]) for (_, b, _), s in last.items())
+
+
+def test_budget_is_respected_after_prefill_and_while_decoding():
+    model = tiny_model("llama")
+    batch = prompts((40, 25))
+    sizes = []
+    run(model, batch, "h2o_head", 0.25, block_size=4,
+        observe=lambda event, cache: sizes.append((event, cache.kept_tokens().amax(dim=(0, 2)).tolist())))
+    budget = [math.ceil(0.25 * 40), math.ceil(0.25 * 25)]
+    prefill_at = [e for e, _ in sizes].index("prefill")
+    assert sizes[prefill_at][1] == budget
+    # Each decode forward appends one token, then eviction brings the head back to its budget.
+    for event, kept in sizes[prefill_at + 1:]:
+        assert event == "forward" and kept == [b + 1 for b in budget]
+
+
+def test_chunked_prefill_never_holds_more_than_budget_plus_chunk():
+    model = tiny_model("llama")
+    batch = prompts((70, 33))
+    peaks = []
+    gens = run(model, batch, "h2o_head", 0.2, prefill="chunked", chunk_size=8, block_size=4,
+               observe=lambda event, cache: peaks.append(cache.kept_tokens().amax(dim=(0, 2))))
+    budget = torch.tensor([math.ceil(0.2 * 70), math.ceil(0.2 * 33)])
+    assert all(bool((p <= budget + 8).all()) for p in peaks)
+    assert [g.kept_tokens for g in gens] == budget.float().tolist()
+
+
+def test_token_granularity_keeps_one_set_for_all_heads_and_head_granularity_does_not():
+    model = tiny_model("llama", kv_heads=3)
+    batch = prompts((48,))
+    sets = {}
+    for name in ("h2o_token", "h2o_head"):
+        snaps = []
+        run(model, batch, name, 0.25, block_size=4, observe=lambda e, c: snaps.append((e, kept_sets(c))))
+        sets[name] = dict(snaps)["prefill"]
+    for layer in range(2):
+        token_sets = {sets["h2o_token"][layer, 0, h] for h in range(3)}
+        assert len(token_sets) == 1
+    assert any(len({sets["h2o_head"][layer, 0, h] for h in range(3)}) > 1 for layer in range(2))
+
+
+def test_page_granularity_evicts_only_whole_pages():
+    model = tiny_model("llama")
+    batch = prompts((64, 50))
+    block = 4
+    snaps = []
+    run(model, batch, "h2o_page", 0.3, block_size=block, observe=lambda e, c: snaps.append((e, kept_sets(c))))
+    prefill = dict(snaps)["prefill"]
+    lengths = [64, 50]
+    for (layer, b, h), kept in prefill.items():
+        assert len(kept) < lengths[b]
+        for page in range(math.ceil(lengths[b] / block)):
+            members = {p for p in range(page * block, min(lengths[b], (page + 1) * block))}
+            assert members <= kept or not (members & kept), (layer, b, h, page)
+    # Decoding evicts whole pages too: every snapshot keeps whole pages of the prompt.
+    for event, sets in snaps:
+        for (layer, b, h), kept in sets.items():
+            for page in range(lengths[b] // block):
+                members = set(range(page * block, (page + 1) * block))
+                assert members <= kept or not (members & kept)
+
+
+def test_h2o_statistic_is_the_column_sum_of_attention_probabilities():
+    """Prefill statistics equal transformers' eager attention weights, summed over queries, meaned per group."""
+    model = tiny_model("llama", kv_heads=2)
+    prompt = prompts((20,))[0]
+    stats = {}
+
+    def grab(event, cache):
+        if event == "forward" and not stats:
+            for li, layer in enumerate(cache.layers):
+                view = layer.read()
+                order = view.pos[0].argsort(-1)[:, -20:]  # live slots sorted by position
+                stats[li] = view.stats[0].gather(-1, order)
+
+    run(model, [prompt], "h2o_head", 0.5, block_size=4, observe=grab)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attentions = model(torch.tensor([prompt]), output_attentions=True).attentions
+    for li, weights in enumerate(attentions):  # weights: [1, H_q, T, T]
+        expected = weights[0].sum(1).view(2, 3, 20).mean(1)  # [H_kv, T]
+        torch.testing.assert_close(stats[li], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_is_seeded():
+    model = tiny_model("llama")
+    batch = prompts((20,))
+    first = run(model, batch, "full", 1.0, temperature=1.0, seed=3)[0].token_ids
+    again = run(model, batch, "full", 1.0, temperature=1.0, seed=3)[0].token_ids
+    other = run(model, batch, "full", 1.0, temperature=1.0, seed=4)[0].token_ids
+    assert first == again and first != other
+
+
+def test_pool_exhaustion_is_a_clear_error():
+    from evalkit.cache import PoolExhausted
+
+    model = tiny_model("llama")
+    with pytest.raises(PoolExhausted, match=r"asked for \d+ more pages of 4 tokens, \d+ of 3 free"):
+        run(model, prompts((40,)), "full", 1.0, block_size=4, pool_pages=3)
