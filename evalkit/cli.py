@@ -64,15 +64,15 @@ def run(
 def _print_result(result) -> None:
     m, base = result.metrics, result.baseline
     table = Table(title=f"{result.run_id}  ({m['samples']} samples)", title_justify="left")
-    for column in ("score", "full-cache score", "KV held / full", "KV held", "kept tokens/head",
-                   "prefill tok/s", "decode tok/s"):
+    for column in ("score", "full cache", "KV held/full", "KV held", "kept/head", "prefill tok/s",
+                   "decode tok/s"):
         table.add_column(column, justify="right")
     table.add_row(
         f"{100 * m['score']:.1f}",
-        f"{100 * base['score']:.1f}" if base else "not run yet",
+        f"{100 * base['score']:.1f}" if base else "not run",
         f"{100 * m['held_over_full']:.1f}%",
-        f"{m['bytes_held'] / 2**20:.1f} MiB of {m['bytes_full'] / 2**20:.1f}",
-        f"{m['kept_tokens']:.0f} of {m['prompt_tokens']:.0f}",
+        f"{m['bytes_held'] / 2**20:.1f} MiB",
+        f"{m['kept_tokens']:.0f}/{m['prompt_tokens']:.0f}",
         f"{m['prefill_tokens_per_s']:.0f}",
         f"{m['decode_tokens_per_s']:.1f}",
     )
@@ -88,7 +88,8 @@ def policies():
     from evalkit.policies import POLICIES
 
     table = Table()
-    for column in ("name", "granularity", "description", "paper"):
+    table.add_column("name", no_wrap=True)
+    for column in ("granularity", "description", "paper"):
         table.add_column(column)
     for name in POLICIES.names():
         policy = POLICIES.create(name)
@@ -105,7 +106,8 @@ def tasks():
     from evalkit.tasks import TASKS
 
     table = Table()
-    for column in ("name", "metric", "description", "source"):
+    table.add_column("name", no_wrap=True)
+    for column in ("metric", "description", "source"):
         table.add_column(column)
     for name in TASKS.names():
         task = TASKS.create(name)

@@ -72,7 +72,8 @@ def make_policy(name: str, granularity: str | None = None) -> Policy:
 def resolve_budget(budget: float, lengths: torch.Tensor) -> torch.Tensor:
     """[B] tokens to keep per KV head: a fraction in (0, 1] of each length, or an integer count > 1."""
     if budget <= 1:
-        kept = torch.ceil(lengths.double() * budget).long()
+        # Rounded first so 0.07 * 100 (= 7.000000000000001 in floating point) keeps 7, not 8.
+        kept = torch.ceil((lengths.double() * budget).round(decimals=9)).long()
     else:
         kept = torch.full_like(lengths, int(budget))
     return torch.minimum(kept.clamp(min=1), lengths)

@@ -36,7 +36,7 @@ def select_keep(
     T = int(seen.max())
     live = positions >= 0
     col = torch.where(live, positions, T)  # empty slots land in a spare column
-    pos_scores = scores.new_full((B, H, T + 1), NEG_INF).scatter(2, col, scores.float().masked_fill(~live, NEG_INF))
+    pos_scores = torch.full((B, H, T + 1), NEG_INF).scatter(2, col, scores.float().masked_fill(~live, NEG_INF))
     present = torch.zeros(B, H, T + 1, dtype=torch.bool).scatter(2, col, live)
     pos_scores, present = pos_scores[..., :T], present[..., :T]
 
