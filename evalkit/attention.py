@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -43,11 +44,14 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     B, H_q, T, D = q.shape
     H_kv, N = k.shape[1], k.shape[2]
     G = H_q // H_kv
+    if collect is None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
     q = q.view(B, H_kv, G, T, D)
     out = torch.empty(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
     stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None
     block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
-    k_t = k.transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, D, N]
+    all_valid = bool(q_valid.all())  # then every query sees at least itself: it was appended first
     for start in range(0, T, block):
         stop = min(T, start + block)
         qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
@@ -55,16 +59,30 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         allowed = (kp >= 0) & (kp <= qp)
         if sliding_window:
             allowed &= kp > qp - sliding_window
-        # A padding query may see no slot at all; let it see everything rather than produce NaN.
-        allowed |= ~allowed.any(-1, keepdim=True)
-        scores = torch.matmul(q[:, :, :, start:stop], k_t) * scaling  # [B, H_kv, G, t, N]
+        if not all_valid:  # a padding query may see no slot; let it see all rather than produce NaN
+            allowed |= ~allowed.any(-1, keepdim=True)
+        q_block = q[:, :, :, start:stop]  # [B, H_kv, G, t, D]
+        if stats is None:
+            mask = allowed.expand(B, H_kv, G, stop - start, N).reshape(B, H_q, stop - start, N)
+            o = F.scaled_dot_product_attention(q_block.reshape(B, H_q, stop - start, D), k, v, attn_mask=mask,
+                                               scale=scaling, enable_gqa=True)
+            out[:, :, :, start:stop] = o.view(B, H_kv, G, stop - start, D)
+            continue
+        scores = torch.matmul(q_block, k.transpose(-1, -2)[:, :, None]) * scaling  # [B, H_kv, G, t, N]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[:, :, :, start:stop] = torch.matmul(probs, v[:, :, None])
-        if stats is not None:
-            weight = q_valid[:, None, None, start:stop, None].to(torch.float32)
-            stats += (probs.float() * weight).sum(dim=3).mean(dim=2)
+        weight = q_valid[:, None, None, start:stop, None].to(torch.float32)
+        stats += (probs.float() * weight).sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
+
+
+def _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window) -> bool:
+    """True when the slots are exactly the new tokens in order: plain causal attention, no mask needed."""
+    T = q_pos.shape[1]
+    if k_pos.shape[-1] != T or (sliding_window and sliding_window < T) or not bool(q_valid.all()):
+        return False
+    return bool((k_pos == q_pos[:, None, :]).all())
 
 
 def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

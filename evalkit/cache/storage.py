@@ -16,6 +16,7 @@ is always empty: views pad ragged heads with it and attention masks it out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,16 @@ from evalkit.cache.pool import BlockPool, PoolExhausted
 class SlotView:
     """A layer's slots gathered per (sequence, KV head); ragged heads padded with empty slots."""
 
+    layer: "SlotLayer"
     index: torch.Tensor  # [B, H_kv, N] flat slot ids
     k: torch.Tensor  # [B, H_kv, N, D]
     v: torch.Tensor  # [B, H_kv, N, D]
     pos: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty
-    stats: torch.Tensor  # [B, H_kv, N] float32 policy statistic
+
+    @functools.cached_property
+    def stats(self) -> torch.Tensor:
+        """[B, H_kv, N] float32 policy statistic; gathered only when a policy reads it."""
+        return self.layer.stats[self.index]
 
 
 class SlotLayer:
@@ -64,7 +70,7 @@ class SlotLayer:
     # shared ------------------------------------------------------------------
     def read(self) -> SlotView:
         index = self.slot_index()
-        return SlotView(index, self.k[index], self.v[index], self.pos[index], self.stats[index])
+        return SlotView(self, index, self.k[index], self.v[index], self.pos[index])
 
     def live_counts(self) -> torch.Tensor:
         """[B, H_kv] tokens held per head."""
@@ -80,12 +86,18 @@ class SlotLayer:
         if int(n_new.max()) == 0:
             return
         index = self.slot_index()
-        free_now = self._real(index, self.pos[index] < 0).sum(-1)
-        self._reserve((n_new[:, None] - free_now).clamp(min=0))
-        index = self.slot_index()
         free = self._real(index, self.pos[index] < 0)
-        # Free slots first, each group kept in fill order: the i-th new token takes the i-th free slot.
-        order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., : int(n_new.max())]
+        missing = (n_new[:, None] - free.sum(-1)).clamp(min=0)
+        if bool(missing.any()):
+            self._reserve(missing)
+            index = self.slot_index()
+            free = self._real(index, self.pos[index] < 0)
+        # The i-th new token of a head takes its i-th free slot in fill order.
+        m = int(n_new.max())
+        if m == 1:  # decoding: argmax returns the first free slot
+            order = free.to(torch.int8).argmax(-1, keepdim=True)
+        else:
+            order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :m]
         lowest_free = index.gather(2, order)  # [B, H, m]
         rank = (valid.cumsum(1) - 1).clamp(min=0)  # [B, T] rank of each token among its sequence's new ones
         dest = lowest_free.gather(2, rank[:, None, :].expand(B, H, T))
