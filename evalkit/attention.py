@@ -81,11 +81,13 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
 
 
 def _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window) -> bool:
-    """True when the slots are exactly the new tokens in order: plain causal attention, no mask needed."""
+    """True when the slots are exactly the new tokens, at consecutive positions, in order: then the
+    causal mask by index that SDPA's `is_causal` applies is the mask by position."""
     T = q_pos.shape[1]
     if k_pos.shape[-1] != T or (sliding_window and sliding_window < T) or not bool(q_valid.all()):
         return False
-    return bool((k_pos == q_pos[:, None, :]).all())
+    consecutive = bool((q_pos[:, 1:] - q_pos[:, :-1] == 1).all())
+    return consecutive and bool((k_pos == q_pos[:, None, :]).all())
 
 
 def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -66,7 +66,7 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
         decode_eviction=config.decode_eviction, temperature=config.temperature, seed=config.seed,
         pool_pages=config.pool_pages,
     )
-    run_dir.start(_provenance(config, policy, model))
+    provenance = _provenance(config, policy, model)
     records = run_dir.predictions()
     done = {record["id"] for record in records}
     todo = [(s, e) for s, e in zip(samples, encoded) if s.id not in done]
@@ -88,6 +88,10 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
                     # Batch-wide timings, divided evenly so sums over records stay right.
                     **{key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
                 }
+                if not run_dir.config_path.exists():
+                    # Created with the first finished sample: input refused by the first batch
+                    # (an exhausted page pool, say) leaves no run folder behind.
+                    run_dir.start(provenance)
                 run_dir.append(record)
                 records.append(record)
             progress.advance(bar, len(batch))
@@ -98,7 +102,7 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
     mode = resolve_wandb_mode(config.wandb)
     if mode != "off":
         with console.status("logging to W&B"):
-            log_run(mode, run_dir.path, config.run_id(), _provenance(config, policy, model), metrics, records)
+            log_run(mode, run_dir.path, config.run_id(), provenance, metrics, records)
     run_dir.finish(metrics)
     return RunResult(config.run_id(), str(run_dir.path), metrics, _baseline(config), len(done))
 

@@ -11,7 +11,7 @@ valid queries, averaged over the G query heads of the KV head.
 The three code paths are all exercised and checked to have been taken: the causal SDPA fast
 path (slots exactly the new tokens in order), the masked SDPA path (collect=None otherwise) and
 the explicit softmax path (collect="attention"). Inputs are drawn from a fresh seed each run;
-the seed is in every assertion message, and EVALKIT_TEST_SEED=<seed> replays a failure.
+failure messages name the seed, and EVALKIT_TEST_SEED=<seed> replays a failure.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from evalkit.attention import attention_reference
 
 D = 8
 RTOL = 1e-4  # fp32 inputs against float64
+SCALING = 0.6  # not SDPA's default D ** -0.5, so a dropped `scale=` shows
 GROUPS = [1, 3, 4]  # G = H_q / H_kv
 HOLE_GARBAGE = 50.0  # holes hold stale, large but finite K/V: a leak through the mask shows
 
@@ -57,7 +58,8 @@ def gen():
 
 @pytest.fixture
 def paths(monkeypatch):
-    """Records which path each call takes: "fast", or "masked"/"explicit" from the collect mode."""
+    """Records `_is_fresh_causal`'s verdicts, "fast" or "masked"; with a collect mode the explicit
+    path runs without asking it, so nothing is recorded."""
     taken = []
     fresh = attention._is_fresh_causal
 
@@ -81,13 +83,9 @@ class Case:
     window: int | None
     seed: int
 
-    @property
-    def scaling(self) -> float:
-        return self.q.shape[-1] ** -0.5
-
     def run(self, collect=None):
         return attention_reference(self.q, self.q_pos, self.q_valid, self.k, self.v, self.k_pos,
-                                   self.scaling, self.window, collect)
+                                   SCALING, self.window, collect)
 
 
 def make_queries(gen, B, T, H_q):
@@ -114,10 +112,10 @@ def build_case(gen, *, G, cached, T, pad=None, pad_pos=0, H_kv=2, window=None, h
         q_pos[b, pad[b]:] = new
         q_valid[b, pad[b]:] = True
         for h in range(H_kv):
-            history = gen.randperm(cached[b])
-            keep = 0 if (single_live_head and b == 0 and h == 0) else \
-                gen.randint(cached[b] + 1) if cached[b] else 0
-            live = torch.cat([history[:keep], new])
+            keep = gen.randint(cached[b] + 1)  # heads differ in how much history they kept
+            if single_live_head and b == h == 0:
+                keep = 0
+            live = torch.cat([gen.randperm(cached[b])[:keep], new])
             slots.append(live.tolist() + [-1] * gen.randint(holes + 1))
     N = max(len(s) for s in slots) + 1  # at least one hole somewhere: the ragged heads are padded
     k_pos = torch.full((B * H_kv, N), -1, dtype=torch.long)
@@ -160,7 +158,7 @@ def naive(case: Case):
                 if not allowed.any():
                     assert not case.q_valid[b, t], "test layout error: a valid query sees no slot"
                     continue  # a padding query's output is unspecified
-                scores = (k[b, kv] @ q[b, h, t]) * case.scaling
+                scores = (k[b, kv] @ q[b, h, t]) * SCALING
                 probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
                 out[b, t, h] = probs @ v[b, kv]
                 if case.q_valid[b, t]:
@@ -236,6 +234,17 @@ def test_fresh_prefill_all_paths_agree(gen, paths, G, collect):
     assert_rel_close(out, fast, "scrambled against fast path", case.seed)
 
 
+@pytest.mark.parametrize("G", GROUPS)
+def test_fresh_tokens_out_of_order_are_not_fast(gen, paths, G):
+    """Slots holding exactly the new tokens, first slot in place but the rest reversed in one head."""
+    T = 6
+    case = fresh_case(gen, G=G, T=T, starts=[0, 4])
+    perm = torch.arange(T).expand(2, 2, T).clone()
+    perm[1, 1, 1:] = perm[1, 1, 1:].flip(0)
+    check_against_naive(permute_slots(case, perm), None)
+    assert paths == ["masked"]
+
+
 # -- masked and explicit paths on realistic layouts ----------------------------------------------
 
 SCENARIOS = {
@@ -243,6 +252,8 @@ SCENARIOS = {
     "decode": dict(cached=[9, 5], T=1),
     # chunked prefill: the chunk attends the kept history and causally itself; row 1 left-padded
     "chunk": dict(cached=[6, 3], T=5, pad=[0, 2]),
+    # the same without padding: every query valid, yet not the fast path
+    "chunk-full": dict(cached=[6, 3], T=4),
     # first prefill with a ragged, padded batch, slots scrambled with holes
     "prefill": dict(cached=[0, 0], T=6, pad=[0, 3]),
     # three rows, the middle one has no history: every head ragged
@@ -296,6 +307,20 @@ def test_padding_queries(gen, G, collect, pad_pos):
         assert_rel_close(stats2, stats, "statistic after padding changed", case.seed)
 
 
+@pytest.mark.parametrize("collect", [None, "attention"])
+def test_bfloat16_inputs(gen, collect):
+    """bf16 in, bf16 out; the statistic stays float32. Loose bound: bf16 keeps 8 bits."""
+    case = build_case(gen, G=3, cached=[6, 3], T=4, pad=[0, 1], window=5)
+    half = replace(case, q=case.q.bfloat16(), k=case.k.bfloat16(), v=case.v.bfloat16())
+    want_out, want_stats = naive(half)  # on the rounded inputs: only the kernel's rounding is judged
+    out, stats = half.run(collect)
+    check_shapes(half, out, stats, collect)
+    valid = case.q_valid
+    assert_rel_close(out[valid], want_out[valid], "bf16 output", case.seed, rtol=3e-2)
+    if collect:
+        assert_rel_close(stats, want_stats, "bf16 statistic", case.seed, rtol=3e-2)
+
+
 # -- invariances ----------------------------------------------------------------------------------
 
 
@@ -332,7 +357,7 @@ def test_query_blocking(gen, monkeypatch, G, collect, block):
     whole, whole_stats = case.run(collect)
     B, H_q = case.q.shape[:2]
     N = case.k.shape[2]
-    monkeypatch.setattr(attention, "_ELEMENTS_PER_BLOCK", block * B * H_q * N)
+    monkeypatch.setattr(attention, "_ELEMENTS_PER_BLOCK", block * B * H_q * N)  # `block` queries a block
     out, stats = check_against_naive(case, collect)
     valid = case.q_valid
     assert_rel_close(out[valid], whole[valid], "blocked against unblocked output", case.seed, rtol=1e-5)
