@@ -81,7 +81,7 @@ class SlotLayer:
 
         k, v: [B, H_kv, T, D]; pos: [B, T] original positions; valid: [B, T] (False = padding, not stored).
         """
-        B, H, T, _ = k.shape
+        B, H, T, D = k.shape
         n_new = valid.sum(1)  # [B]
         if int(n_new.max()) == 0:
             return
@@ -99,13 +99,18 @@ class SlotLayer:
         else:
             order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :m]
         lowest_free = index.gather(2, order)  # [B, H, m]
-        rank = (valid.cumsum(1) - 1).clamp(min=0)  # [B, T] rank of each token among its sequence's new ones
-        dest = lowest_free.gather(2, rank[:, None, :].expand(B, H, T))
-        store = valid[:, None, :].expand(B, H, T)
-        dest = dest[store]
-        self.k[dest] = k[store]
-        self.v[dest] = v[store]
-        self.pos[dest] = pos[:, None, :].expand(B, H, T)[store]
+        if bool(valid.all()):  # no padding (decoding; equal-length rows): token i takes free slot i
+            dest = lowest_free.reshape(-1)
+            k, v = k.reshape(-1, D), v.reshape(-1, D)
+            pos = pos[:, None, :].expand(B, H, T).reshape(-1)
+        else:
+            rank = (valid.cumsum(1) - 1).clamp(min=0)  # [B, T] rank of each token among its row's new ones
+            store = valid[:, None, :].expand(B, H, T)
+            dest = lowest_free.gather(2, rank[:, None, :].expand(B, H, T))[store]
+            k, v, pos = k[store], v[store], pos[:, None, :].expand(B, H, T)[store]
+        self.k[dest] = k
+        self.v[dest] = v
+        self.pos[dest] = pos
         self.stats[dest] = 0.0
 
     def _real(self, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
