@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +31,21 @@ class ForwardPlan:
     cache: KVCache
     positions: torch.Tensor  # [B, T] original positions of the new tokens
     valid: torch.Tensor  # [B, T] False = padding: not stored, not counted in statistics
-    collect: str | None  # statistic the policy needs ("attention") or None
+    collect: str | None = None  # statistic the policy needs: None, "attention" or "window"
+    window: int = 0  # queries behind a "window" statistic
+    # Decode-time restriction of what a query reads (Quest): (query [B, H_q, D], keys, positions) -> mask.
+    attend_filter: Callable | None = None
+    attended: torch.Tensor | None = None  # [B] slots read, summed over layers (when filtered)
+    available: torch.Tensor | None = None  # [B] live slots, summed over layers (when filtered)
 
 
-def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None):
+def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0):
     """Attention of new queries over kept slots, in torch; the CPU path and the kernels' reference.
 
     q: [B, H_q, T, D], q_pos/q_valid: [B, T]; k, v: [B, H_kv, N, D], k_pos: [B, H_kv, N] (-1 = empty).
-    Returns out: [B, T, H_q, D] and, if `collect == "attention"`, stats: [B, H_kv, N] float32 = each
-    slot's probability summed over valid queries, averaged over the G = H_q / H_kv query heads.
+    Returns out: [B, T, H_q, D] and, when `collect` is set, stats: [B, H_kv, N] float32 = each slot's
+    probability summed over the valid queries ("attention") or over the last `window` valid queries of
+    each row ("window"), averaged over the G = H_q / H_kv query heads.
     Queries are processed in blocks so memory stays O(T_block * N), never T * N for long prompts.
     """
     B, H_q, T, D = q.shape
@@ -52,6 +59,11 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None
     block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
     all_valid = bool(q_valid.all())  # then every query sees at least itself: it was appended first
+    counted = q_valid
+    if collect == "window":
+        last = q_pos.masked_fill(~q_valid, -1).amax(1, keepdim=True)  # [B, 1]
+        counted = q_valid & (q_pos > last - window)
+    every_query_counts = bool(counted.all())
     for start in range(0, T, block):
         stop = min(T, start + block)
         qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
@@ -74,8 +86,8 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         scores = (scores * scaling).masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
-        if not all_valid:
-            probs = probs * q_valid[:, None, None, start:stop, None]
+        if not every_query_counts:
+            probs = probs * counted[:, None, None, start:stop, None]
         stats += probs.float().sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
 
@@ -99,11 +111,19 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     layer.append(key, value, plan.positions, plan.valid)
     view = layer.read()
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    visible = view.pos
+    if plan.attend_filter is not None:
+        read = plan.attend_filter(query[:, :, -1], view.k, view.pos)
+        visible = view.pos.masked_fill(~read, -1)
+        plan.attended += read.sum((1, 2)).cpu()
+        plan.available += (view.pos >= 0).sum((1, 2)).cpu()
     # Dispatch point: the Triton kernels take over here on CUDA tensors (kernels issue).
-    out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, view.pos,
-                                     scaling, sliding_window, plan.collect)
-    if stats is not None:
+    out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, visible,
+                                     scaling, sliding_window, plan.collect, plan.window)
+    if plan.collect == "attention":
         layer.add_stats(view.index, stats)
+    elif plan.collect == "window":
+        layer.set_stats(view.index, stats, rows=plan.valid.any(1))
     return out, None
 
 

@@ -89,14 +89,15 @@ def policies():
 
     table = Table()
     table.add_column("name", no_wrap=True)
-    for column in ("granularity", "description", "paper"):
+    for column in ("granularity", "scorer", "saves", "description", "paper"):
         table.add_column(column)
     for name in POLICIES.names():
         policy = POLICIES.create(name)
         aliases = POLICIES.aliases_of(name)
         label = name + (f" ({', '.join(aliases)})" if aliases else "")
-        granularity = policy.granularity if policy.evicts else "-"
-        table.add_row(label, granularity, policy.description, policy.paper)
+        granularity = policy.granularity if policy.evicts or policy.restricts_reads else "-"
+        saves = policy.saves if policy.evicts or policy.restricts_reads else "-"
+        table.add_row(label, granularity, policy.scorer, saves, policy.description, policy.paper)
     out.print(table)
 
 

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 
 from evalkit.attention import ForwardPlan, evalkit_attention
-from evalkit.cache import KVCache
-from evalkit.policies import Policy, ScoreInput, resolve_budget, select_keep
+from evalkit.cache import KVCache, model_kv_shape
+from evalkit.policies import Policy, ScoreInput, resolve_budget
 
 NO_LIMIT = 1 << 40
 
@@ -51,6 +51,7 @@ class Generation:
     bytes_held: int  # KV bytes allocated to this sequence after prefill
     bytes_ideal: int  # KV bytes of the tokens it kept
     bytes_full: int  # KV bytes of its whole prompt in a full cache
+    attended_fraction: float  # of its live slots, the share decode attention read (1.0 but for Quest)
     timing: dict = field(default_factory=dict)  # batch-wide seconds and token counts
 
 
@@ -65,8 +66,11 @@ class _State:
     policy: Policy
     settings: GenerationSettings
     seen: torch.Tensor  # [B] tokens each sequence has fed so far
-    collect: str | None
     observe: Observer | None = None
+    collect: str | None = None  # statistic gathered in the current phase
+    attend_filter: Callable | None = None  # decode-time read restriction (Quest)
+    attended: torch.Tensor | None = None  # [B] slots read while decoding, all layers
+    available: torch.Tensor | None = None  # [B] live slots while decoding, all layers
 
 
 def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +84,8 @@ def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch
             ids[b, width - len(row):] = torch.tensor(row)
             valid[b, width - len(row):] = True
     positions = (state.seen[:, None] + valid.cumsum(1) - 1).masked_fill(~valid, 0)
-    plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect)
+    plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
+                       state.policy.observation_window, state.attend_filter, state.attended, state.available)
     out = state.model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
                       logits_to_keep=1, evalkit_plan=plan)
     counts = valid.sum(1)
@@ -90,22 +95,23 @@ def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch
     return out.logits[:, -1].float().cpu(), counts
 
 
-def compress(state: _State, budget: torch.Tensor) -> None:
-    """Evict down to `budget[b]` tokens per head, in every layer, as the policy chooses."""
+def compress(state: _State, budgets: torch.Tensor) -> None:
+    """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses."""
     policy = state.policy
-    recent = (policy.recent_fraction * (budget - policy.sink_tokens).clamp(min=0)).long()
     for layer_idx, layer in enumerate(state.cache.layers):
+        budget = budgets[layer_idx]
         if bool((layer.live_counts() <= budget[:, None]).all()):
             continue
+        recent = policy.recent_tokens + (policy.recent_fraction * (budget - policy.sink_tokens).clamp(min=0)).long()
         view = layer.read()
         scores = policy.score(ScoreInput(view.k, view.pos, view.stats, layer_idx, state.settings.seed))
-        keep = select_keep(scores.cpu(), view.pos.cpu(), state.seen, budget, policy.granularity,
-                           state.settings.block_size, policy.sink_tokens, recent)
+        keep = policy.select(scores.cpu(), view.pos.cpu(), state.seen, budget, state.settings.block_size,
+                             torch.minimum(recent, budget))
         layer.evict(view.index, keep.to(view.index.device))
 
 
 def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor):
-    """Prefill `compressed` (in chunks when chunked), compressing to `budget`; then `appended` as is."""
+    """Prefill `compressed` (in chunks when chunked), compressing to `budget` [L, B]; then `appended` as is."""
     settings = state.settings
     longest = max(len(t) for t in compressed)
     chunk = settings.chunk_size if settings.prefill == "chunked" else longest
@@ -139,13 +145,12 @@ def _stop_text(text: str, stops: tuple[str, ...]) -> str | None:
 
 
 def decode(state: _State, logits: torch.Tensor, requests: list[Request], tokenizer, eos_ids: set[int],
-           cap: torch.Tensor) -> tuple[list[list[int]], list[str]]:
-    """Generate until EOS, a stop string or max new tokens; evict down to `cap` after each step."""
+           cap: torch.Tensor, evict: bool) -> tuple[list[list[int]], list[str]]:
+    """Generate until EOS, a stop string or max new tokens; evict down to `cap` [L, B] after each step."""
     B = len(requests)
     outputs: list[list[int]] = [[] for _ in range(B)]
     texts: list[str | None] = [None] * B
     generator = torch.Generator().manual_seed(state.settings.seed)
-    evicting = bool((cap < NO_LIMIT).any())
     while True:
         chosen = _next_tokens(logits, state.settings.temperature, generator).tolist()
         for b, token in enumerate(chosen):
@@ -164,7 +169,7 @@ def decode(state: _State, logits: torch.Tensor, requests: list[Request], tokeniz
             return outputs, texts
         # Finished sequences keep feeding their last token; their outputs are no longer read.
         logits, _ = forward(state, [[token] for token in chosen])
-        if evicting and state.settings.decode_eviction:
+        if evict:
             compress(state, cap)
 
 
@@ -180,35 +185,47 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
         compressed = [list(r.context_ids) for r in requests]
         appended = [list(r.question_ids) for r in requests]
     lengths = torch.tensor([len(t) for t in compressed])
-    budget = resolve_budget(settings.budget, lengths) if policy.evicts else lengths
-    evicting = budget < lengths
-    budget = torch.where(evicting, budget, NO_LIMIT)  # a sequence at full budget is never evicted, even when decoding
+    budget = resolve_budget(settings.budget, lengths)
+    evicting = (budget < lengths) & policy.evicts
+    num_layers = model_kv_shape(model.config)[0]
+    # A sequence at full budget is never evicted, not even while decoding.
+    budgets = torch.where(evicting, torch.minimum(policy.layer_budgets(budget, num_layers), lengths), NO_LIMIT)
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
-    prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, budget + settings.chunk_size)
+    widest = budgets.amax(0)
+    prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
     capacity = int((prefill_peak + extra + max_new + 1).max())
 
     cache = KVCache.create(settings.layout, model.config, len(requests), capacity, settings.block_size,
                            model.dtype, model.device, settings.pool_pages)
-    state = _State(model, cache, policy, settings, torch.zeros(len(requests), dtype=torch.long),
-                   policy.collect if bool(evicting.any()) else None, observe)
+    state = _State(model, cache, policy, settings, torch.zeros(len(requests), dtype=torch.long), observe)
     eos_ids = _eos_ids(model, tokenizer)
 
     with evalkit_attention(model):
         start = time.perf_counter()
-        logits = prefill(state, compressed, appended, budget)
+        state.collect = policy.collect_prefill if bool(evicting.any()) else None
+        logits = prefill(state, compressed, appended, budgets)
         prefill_seconds = time.perf_counter() - start
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
+
         start = time.perf_counter()
-        outputs, texts = decode(state, logits, requests, tokenizer, eos_ids, budget + extra)
+        decode_evicts = bool(evicting.any()) and settings.decode_eviction
+        state.collect = policy.collect_decode if decode_evicts else None
+        if policy.restricts_reads:
+            read_budget = torch.where(budget < lengths, budget + extra, NO_LIMIT)
+            state.attend_filter = lambda query, keys, positions: policy.attended_slots(
+                query, keys, positions, read_budget, settings.block_size)
+        state.attended, state.available = torch.zeros(len(requests)), torch.zeros(len(requests))
+        outputs, texts = decode(state, logits, requests, tokenizer, eos_ids, budgets + extra, decode_evicts)
         decode_seconds = time.perf_counter() - start
 
     timing = {"prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds,
               "prompt_tokens": int((lengths + extra).sum()), "new_tokens": sum(len(o) for o in outputs)}
+    read = torch.where(state.available > 0, state.attended / state.available.clamp(min=1), 1.0)
     return [
         Generation(outputs[b], texts[b], int(lengths[b] + extra[b]), float(kept[b]), int(held[b]), int(ideal[b]),
-                   int(lengths[b] + extra[b]) * cache.bytes_per_token(), timing)
+                   int(lengths[b] + extra[b]) * cache.bytes_per_token(), float(read[b]), timing)
         for b in range(len(requests))
     ]
 

@@ -84,7 +84,8 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
                     "references": sample.references, "score": task.score(gen.text, sample.references),
                     "kept_tokens": gen.kept_tokens, "bytes_held": gen.bytes_held,
                     "bytes_ideal": gen.bytes_ideal, "bytes_full": gen.bytes_full,
-                    "new_tokens": len(gen.token_ids), "meta": sample.meta,
+                    "new_tokens": len(gen.token_ids), "attended_fraction": gen.attended_fraction,
+                    "meta": sample.meta,
                     # Batch-wide timings, divided evenly so sums over records stay right.
                     **{key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
                 }
@@ -123,6 +124,7 @@ def aggregate(records: list[dict]) -> dict:
         "bytes_full": total("bytes_full") / n,
         "held_over_full": total("bytes_held") / total("bytes_full"),
         "held_over_ideal": total("bytes_held") / max(1, total("bytes_ideal")),
+        "attended_fraction": total("attended_fraction") / n,
         "prefill_tokens_per_s": total("prompt_tokens") / max(1e-9, total("prefill_seconds")),
         "decode_tokens_per_s": total("new_tokens") / max(1e-9, total("decode_seconds")),
         "seconds": total("prefill_seconds") + total("decode_seconds"),

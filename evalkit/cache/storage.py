@@ -124,6 +124,10 @@ class SlotLayer:
         """Accumulate a [B, H_kv, N] statistic into the slots of a view (H2O's running attention sums)."""
         self.stats.index_add_(0, index.reshape(-1), stats.reshape(-1).float())
 
+    def set_stats(self, index: torch.Tensor, stats: torch.Tensor, rows: torch.Tensor) -> None:
+        """Replace the statistic of the view's slots in the batch rows `rows` ([B] bool)."""
+        self.stats[index[rows].reshape(-1)] = stats[rows].reshape(-1).float()
+
     def evict(self, index: torch.Tensor, keep: torch.Tensor) -> None:
         """Empty every live slot of the view where `keep` is False."""
         drop = index[~keep & (self.pos[index] >= 0)]

@@ -1,7 +1,10 @@
 """Policies by name. Importing this package registers every built-in policy."""
 
 from evalkit.policies.base import GRANULARITIES, POLICIES, Policy, ScoreInput, make_policy, resolve_budget
-from evalkit.policies.selection import select_keep
-from evalkit.policies import full, h2o, random_policy, streaming_llm  # noqa: F401  (registration)
+from evalkit.policies.selection import select_adaptive, select_keep
+from evalkit.policies import (  # noqa: F401  (registration)
+    adakv, full, h2o, knorm, pyramidkv, quest, random_policy, snapkv, streaming_llm, tova,
+)
 
-__all__ = ["GRANULARITIES", "POLICIES", "Policy", "ScoreInput", "make_policy", "resolve_budget", "select_keep"]
+__all__ = ["GRANULARITIES", "POLICIES", "Policy", "ScoreInput", "make_policy", "resolve_budget",
+           "select_adaptive", "select_keep"]

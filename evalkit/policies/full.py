@@ -10,6 +10,7 @@ class Full(Policy):
     """The reference: every token stays, whatever the budget."""
 
     description = "no eviction: the full cache every other policy is compared with"
+    scorer = "-"
     evicts = False
 
     def score(self, inp: ScoreInput) -> torch.Tensor:

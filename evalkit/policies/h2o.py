@@ -16,9 +16,10 @@ class H2O(Policy):
     """
 
     recent_fraction: float = 0.5
-    description = "accumulated attention (heavy hitters) + recent window"
+    description = "accumulated attention (heavy hitters) + recent window (half the budget)"
+    scorer = "accumulated attention"
     paper = "H2O: Heavy-Hitter Oracle (arXiv:2306.14048)"
-    collect = "attention"
+    collect_prefill = collect_decode = "attention"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return inp.attention

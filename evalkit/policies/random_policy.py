@@ -10,6 +10,7 @@ class RandomPolicy(Policy):
     """The floor every real scorer must beat: a random priority per (layer, head, position)."""
 
     description = "keeps random tokens: the floor any scorer must beat"
+    scorer = "random priority"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, H, _ = inp.positions.shape

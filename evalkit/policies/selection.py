@@ -21,6 +21,25 @@ def _rank_keep(key: torch.Tensor, present: torch.Tensor, budget: torch.Tensor) -
     return present & (rank < budget.view(shape))
 
 
+def _position_space(scores, positions, seen, sink_tokens, recent):
+    """Scores laid out by position: (scores [B, H, T], present [B, H, T], protected [B, T], col, live)."""
+    B, H, _ = scores.shape
+    T = int(seen.max())
+    live = positions >= 0
+    col = torch.where(live, positions, T)  # empty slots land in a spare column
+    pos_scores = torch.full((B, H, T + 1), NEG_INF).scatter(2, col, scores.float().masked_fill(~live, NEG_INF))
+    present = torch.zeros(B, H, T + 1, dtype=torch.bool).scatter(2, col, live)
+    t = torch.arange(T)
+    recent = torch.zeros_like(seen) if recent is None else recent
+    protected = (t < sink_tokens) | (t >= (seen - recent)[:, None])  # [B, T]
+    return pos_scores[..., :T], present[..., :T], protected, col, live
+
+
+def _to_slots(keep: torch.Tensor, col: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    keep = torch.cat([keep, torch.zeros(*keep.shape[:2], 1, dtype=torch.bool)], dim=2)
+    return keep.gather(2, col) & live
+
+
 def select_keep(
     scores: torch.Tensor,  # [B, H_kv, N] per slot
     positions: torch.Tensor,  # [B, H_kv, N] -1 = empty
@@ -32,18 +51,7 @@ def select_keep(
     recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept
 ) -> torch.Tensor:
     """[B, H_kv, N] bool: the live slots to keep."""
-    B, H, _ = scores.shape
-    T = int(seen.max())
-    live = positions >= 0
-    col = torch.where(live, positions, T)  # empty slots land in a spare column
-    pos_scores = torch.full((B, H, T + 1), NEG_INF).scatter(2, col, scores.float().masked_fill(~live, NEG_INF))
-    present = torch.zeros(B, H, T + 1, dtype=torch.bool).scatter(2, col, live)
-    pos_scores, present = pos_scores[..., :T], present[..., :T]
-
-    t = torch.arange(T)
-    recent = torch.zeros_like(seen) if recent is None else recent
-    protected = (t < sink_tokens) | (t >= (seen - recent)[:, None])  # [B, T]
-
+    pos_scores, present, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
     if granularity == "head":
         key = pos_scores.masked_fill(protected[:, None, :], float("inf"))
         keep = _rank_keep(key, present, budget) | (present & protected[:, None, :])
@@ -57,9 +65,24 @@ def select_keep(
         keep = present & _keep_pages(pos_scores, present, protected, budget, block_size)[:, None, :]
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
+    return _to_slots(keep, col, live)
 
-    keep = torch.cat([keep, torch.zeros(B, H, 1, dtype=torch.bool)], dim=2)
-    return keep.gather(2, col) & live
+
+def select_adaptive(scores, positions, seen, budget, alpha_safeguard: float = 0.2, sink_tokens: int = 0,
+                    recent=None) -> torch.Tensor:
+    """Ada-KV's allocation: a layer keeps `budget[b] * H_kv` tokens in all, split across heads by score.
+
+    Each head first keeps its best ceil(alpha_safeguard * budget) tokens and its protected ones;
+    the rest of the layer's budget goes to the highest remaining scores of any head.
+    """
+    pos_scores, present, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
+    B, H, T = pos_scores.shape
+    key = pos_scores.masked_fill(protected[:, None, :], float("inf"))
+    floor = torch.ceil(budget.double() * alpha_safeguard).long()
+    forced = _rank_keep(key, present, floor) | (present & protected[:, None, :])
+    left = (budget * H - forced.sum((1, 2))).clamp(min=0)
+    chosen = _rank_keep(key.masked_fill(forced, NEG_INF).view(B, H * T), (present & ~forced).view(B, H * T), left)
+    return _to_slots(forced | chosen.view(B, H, T), col, live)
 
 
 def _keep_pages(pos_scores, present, protected, budget, block_size) -> torch.Tensor:

@@ -12,6 +12,7 @@ class StreamingLLM(Policy):
     sink_tokens: int = 4
     recent_fraction: float = 1.0
     description = "first 4 tokens (attention sinks) + a recent window filling the rest of the budget"
+    scorer = "position only"
     paper = "Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:

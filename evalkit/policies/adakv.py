@@ -1,0 +1,29 @@
+from dataclasses import dataclass
+
+from evalkit.policies.base import POLICIES
+from evalkit.policies.selection import select_adaptive
+from evalkit.policies.snapkv import SnapKV
+
+
+@dataclass
+class AdaSnapKV(SnapKV):
+    """SnapKV's scores with Ada-KV's allocation: one budget per layer, split across KV heads by score.
+
+    A layer keeps budget x H_kv tokens in all; each head first keeps its best
+    `alpha_safeguard` x budget tokens, the rest go to the highest scores of any head. Heads
+    that attend sharply give up slots to heads that attend broadly, so heads hold different
+    numbers of tokens, and with the paged cache the pages they give up are really freed.
+    """
+
+    alpha_safeguard: float = 0.2
+    description = "SnapKV scores; one budget per layer split across KV heads by score (adaptive)"
+    scorer = "window attention + pooling, adaptive head budgets"
+    paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"
+
+    def select(self, scores, positions, seen, budget, block_size, recent):
+        if self.granularity != "head":  # one token set for all heads: nothing to reallocate
+            return super().select(scores, positions, seen, budget, block_size, recent)
+        return select_adaptive(scores, positions, seen, budget, self.alpha_safeguard, self.sink_tokens, recent)
+
+
+POLICIES.register("adakv_snapkv", lambda: AdaSnapKV(name="adakv_snapkv"), aliases=("adakv",))
