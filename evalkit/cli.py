@@ -88,17 +88,23 @@ def policies():
     from evalkit.policies import POLICIES
 
     table = Table()
-    table.add_column("name", no_wrap=True)
-    for column in ("granularity", "scorer", "saves", "description", "paper"):
+    for column in ("name", "granularity", "saves"):
+        table.add_column(column, no_wrap=True)
+    for column in ("scorer", "description", "paper"):
         table.add_column(column)
     for name in POLICIES.names():
         policy = POLICIES.create(name)
         aliases = POLICIES.aliases_of(name)
-        label = name + (f" ({', '.join(aliases)})" if aliases else "")
-        granularity = policy.granularity if policy.evicts or policy.restricts_reads else "-"
-        saves = policy.saves if policy.evicts or policy.restricts_reads else "-"
-        table.add_row(label, granularity, policy.scorer, saves, policy.description, policy.paper)
-    out.print(table)
+        label = name + "".join(f"\n({alias})" for alias in aliases)
+        active = policy.evicts or policy.restricts_reads
+        table.add_row(label, policy.granularity if active else "-", policy.saves if active else "-",
+                      policy.scorer, policy.description, policy.paper)
+    _wide().print(table)
+
+
+def _wide() -> Console:
+    """Listings are tables of several long columns: at least 160 columns, wider terminals used in full."""
+    return Console(width=max(out.width, 160))
 
 
 @app.command()
@@ -115,7 +121,7 @@ def tasks():
         aliases = TASKS.aliases_of(name)
         table.add_row(name + (f" ({', '.join(aliases)})" if aliases else ""), task.metric, task.description,
                       task.source)
-    out.print(table)
+    _wide().print(table)
 
 
 def main():

@@ -62,6 +62,7 @@ def test_listings_name_every_policy_and_task(monkeypatch, capsys):
 
     code, out, _ = evalkit(monkeypatch, capsys, "policies")
     assert code == 0 and all(name in out for name in POLICIES.names()) and "h2o_block1" in out
+    assert "bandwidth" in out and "memory" in out and "arXiv:2404.14469" in out
     code, out, _ = evalkit(monkeypatch, capsys, "tasks")
     assert code == 0 and all(name in out for name in TASKS.names())
 

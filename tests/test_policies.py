@@ -144,3 +144,19 @@ def test_adakv_heads_keep_different_numbers_of_tokens_and_free_the_pages():
     # paged: each head holds ceil(kept / 4) pages, not the largest head's count
     pages = sum(-(-int(k) // 4) for k in kept.flatten())
     assert counts["held"] == pages * 4 * model.config.head_dim * 2 * 4
+
+
+def test_streaming_llm_keeps_the_sinks_and_the_most_recent_tokens():
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    kept = {}
+
+    def grab(event, cache):
+        if event == "prefill":
+            kept.update({li: set(layer.read().pos[0, 0].tolist()) - {-1} for li, layer in enumerate(cache.layers)})
+
+    generate(model, None, [Request(prompt, [], 1)], GenerationSettings(make_policy("streaming_llm"), budget=12),
+             observe=grab)
+    # 12 tokens: sinks 0..3, then the 8 most recent of 40
+    assert all(k == {0, 1, 2, 3, *range(32, 40)} for k in kept.values())
