@@ -51,6 +51,14 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     B, H_q, T, D = q.shape
     H_kv, N = k.shape[1], k.shape[2]
     G = H_q // H_kv
+    if collect == "window":  # only the window's queries need probabilities: the rest takes a fast path
+        last = q_pos.masked_fill(~q_valid, -1).amax(1, keepdim=True)  # [B, 1]
+        counted = q_valid & (q_pos > last - window)
+        first = int(counted.any(0).nonzero()[0]) if bool(counted.any()) else T
+        out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
+        _, stats = attention_reference(q[:, :, first:], q_pos[:, first:], counted[:, first:], k, v, k_pos,
+                                       scaling, sliding_window, "attention")
+        return out, stats
     if collect is None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
@@ -59,11 +67,6 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None
     block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
     all_valid = bool(q_valid.all())  # then every query sees at least itself: it was appended first
-    counted = q_valid
-    if collect == "window":
-        last = q_pos.masked_fill(~q_valid, -1).amax(1, keepdim=True)  # [B, 1]
-        counted = q_valid & (q_pos > last - window)
-    every_query_counts = bool(counted.all())
     for start in range(0, T, block):
         stop = min(T, start + block)
         qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
@@ -86,8 +89,8 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         scores = (scores * scaling).masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
-        if not every_query_counts:
-            probs = probs * counted[:, None, None, start:stop, None]
+        if not all_valid:
+            probs = probs * q_valid[:, None, None, start:stop, None]
         stats += probs.float().sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
 
