@@ -109,14 +109,21 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
 
 
 def aggregate(records: list[dict]) -> dict:
+    """Means over samples; a group task (samples carrying meta["task"]) scores the mean of its tasks' means."""
     n = len(records)
 
     def total(key):
         return sum(r[key] for r in records)
 
+    by_task: dict[str, list[float]] = {}
+    for r in records:
+        if "task" in r.get("meta", {}):
+            by_task.setdefault(r["meta"]["task"], []).append(r["score"])
+    task_means = {task: sum(scores) / len(scores) for task, scores in sorted(by_task.items())}
     return {
         "samples": n,
-        "score": total("score") / n,
+        "score": sum(task_means.values()) / len(task_means) if task_means else total("score") / n,
+        **({"by_task": task_means} if task_means else {}),
         "kept_tokens": total("kept_tokens") / n,
         "prompt_tokens": total("prompt_tokens") / n,
         "bytes_held": total("bytes_held") / n,

@@ -118,3 +118,16 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating_samples(monkeypa
 
     code, stdout, _ = evalkit(monkeypatch, capsys, *args)
     assert code == 0 and "already complete" in stdout
+
+
+def test_group_tasks_score_the_mean_of_their_tasks():
+    from evalkit.runner import aggregate
+
+    base = dict(kept_tokens=10, prompt_tokens=20, bytes_held=8, bytes_ideal=8, bytes_full=16,
+                attended_fraction=1.0, new_tokens=2, prefill_seconds=1.0, decode_seconds=1.0)
+    records = [dict(base, score=1.0, meta={"task": "a"}), dict(base, score=0.0, meta={"task": "a"}),
+               dict(base, score=0.0, meta={"task": "a"}), dict(base, score=1.0, meta={"task": "b"})]
+    metrics = aggregate(records)
+    assert metrics["by_task"] == {"a": 1 / 3, "b": 1.0}
+    assert metrics["score"] == (1 / 3 + 1.0) / 2  # not the mean over samples (0.5)
+    assert aggregate([dict(base, score=0.5, meta={})])["score"] == 0.5
