@@ -77,6 +77,13 @@ def _print_result(result) -> None:
         f"{m['decode_tokens_per_s']:.1f}",
     )
     out.print(table)
+    if m.get("by_task"):
+        tasks = Table(title="per task", title_justify="left")
+        tasks.add_column("task")
+        tasks.add_column("score", justify="right")
+        for name, score in m["by_task"].items():
+            tasks.add_row(name, f"{100 * score:.1f}")
+        out.print(tasks)
     note = "already complete" if result.resumed_from < 0 else (
         f"resumed after {result.resumed_from} samples" if result.resumed_from else "")
     out.print(f"results: {result.path}" + (f" ({note})" if note else ""))
