@@ -1,8 +1,9 @@
-"""The Paul Graham essay haystack, needles placed in it by depth, and fitting its size to a token budget.
+"""RULER's haystacks, needles placed in them by depth, and fitting a haystack's size to a token budget.
 
-Follows NVIDIA/RULER scripts/data/synthetic/niah.py: the haystack is the essay
-text as a list of words, a prompt takes its first N words, and needles go in at
-sentence boundaries a given percentage of the way through.
+Follows NVIDIA/RULER scripts/data/synthetic/niah.py. The essay haystack is the
+Paul Graham essays as a list of words: a prompt takes its first N words, and
+needles go in at sentence boundaries a given percentage of the way through. The
+noise haystack is one fixed line repeated N times; needles go in between lines.
 """
 
 from __future__ import annotations
@@ -38,18 +39,41 @@ def haystack_text(n_words: int) -> str:
     return " ".join(itertools.islice(itertools.cycle(essay_words()), n_words))
 
 
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+"""RULER's `noise` haystack line (niah.py, variable_tracking.py): a haystack of N is this line N times."""
+
+
 def split_sentences(text: str) -> list[str]:
     return _SENTENCE_BREAK.split(text) if text else []
 
 
 def insert_needles(text: str, needles: list[str], depths: list[float]) -> str:
     """`text` with `needles[i]` before sentence int(sentences × depths[i] / 100), as RULER places them."""
-    sentences = split_sentences(text)
-    count = len(sentences)
+    return " ".join(insert_at_depths(split_sentences(text), needles, depths))
+
+
+def insert_at_depths(units: list[str], needles: list[str], depths: list[float]) -> list[str]:
+    """A copy of `units` (sentences, lines) with `needles[i]` before unit int(len(units) × depths[i] / 100)."""
+    units = list(units)
+    count = len(units)
     # Deepest first, so that inserting never shifts a position still to be used.
     for depth, needle in sorted(zip(depths, needles), key=lambda pair: pair[0], reverse=True):
-        sentences.insert(int(count * depth / 100), needle)
-    return " ".join(sentences)
+        units.insert(int(count * depth / 100), needle)
+    return units
+
+
+def first_guess(measure: Callable[[int], int], budget: int, probe: int) -> int:
+    """A starting size for `fit_size` when a size's token cost is unknown (lines, documents, words).
+
+    Two probes, at 0 and at `probe`, give the fixed part of the prompt and the
+    tokens one unit adds; the guess is the size a straight line puts at the budget.
+    """
+    fixed = measure(0)
+    if fixed > budget:
+        raise EvalkitError(f"a budget of {budget} prompt tokens leaves no room for a haystack "
+                           f"(the prompt without one takes {fixed})")
+    per_unit = max(measure(probe) - fixed, 1) / probe
+    return max(1, int((budget - fixed) / per_unit))
 
 
 def fit_size(measure: Callable[[int], int], budget: int, guess: int) -> int:
