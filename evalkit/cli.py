@@ -109,6 +109,15 @@ def policies():
     _wide().print(table)
 
 
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def lm_eval_command(ctx: typer.Context):
+    """lm-evaluation-harness tasks under a sparse KV cache (takes lm-eval's own arguments)."""
+    from evalkit.lm_eval_adapter import main as lm_eval_main
+
+    raise typer.Exit(lm_eval_main(ctx.args))
+
+
 def _wide() -> Console:
     """Listings are tables of several long columns: at least 160 columns, wider terminals used in full."""
     return Console(width=max(out.width, 160))
@@ -137,7 +146,9 @@ def main():
 
     hf_logging.disable_progress_bar()
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # a typer.Exit inside a command comes back as its code
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except EvalkitError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         sys.exit(2)

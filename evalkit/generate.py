@@ -2,12 +2,15 @@
 
 Read top to bottom: `generate` → `prefill` → `compress` → `decode`. Every forward
 passes true `position_ids`, so eviction never shifts a token's position.
+Teacher forcing through the same cache: `score_continuations` (a continuation's
+log-probabilities after its prompt was compressed) and `score_rolling` (streaming
+log-likelihood of a whole text, compressed after every chunk).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -73,8 +76,12 @@ class _State:
     available: torch.Tensor | None = None  # [B] live slots while decoding, all layers
 
 
-def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed each sequence its new tokens (left-padded); returns last-token logits [B, V] and counts [B]."""
+def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed each sequence its new tokens (left-padded); returns last-token logits [B, V] and counts [B].
+
+    With `all_logits`, the logits of every fed position instead: [B, T, V] float32, left on the
+    model's device (they can be large); row b's new tokens are its last counts[b] columns.
+    """
     device = state.model.device
     width = max(len(t) for t in tokens)
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
@@ -87,11 +94,13 @@ def forward(state: _State, tokens: list[list[int]]) -> tuple[torch.Tensor, torch
     plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
                        state.policy.observation_window, state.attend_filter, state.attended, state.available)
     out = state.model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
-                      logits_to_keep=1, evalkit_plan=plan)
+                      logits_to_keep=0 if all_logits else 1, evalkit_plan=plan)
     counts = valid.sum(1)
     state.seen += counts
     if state.observe:
         state.observe("forward", state.cache)
+    if all_logits:
+        return out.logits.float(), counts
     return out.logits[:, -1].float().cpu(), counts
 
 
@@ -184,21 +193,11 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
     else:
         compressed = [list(r.context_ids) for r in requests]
         appended = [list(r.question_ids) for r in requests]
-    lengths = torch.tensor([len(t) for t in compressed])
-    budget = resolve_budget(settings.budget, lengths)
-    evicting = (budget < lengths) & policy.evicts
-    num_layers = model_kv_shape(model.config)[0]
-    # A sequence at full budget is never evicted, not even while decoding.
-    budgets = torch.where(evicting, torch.minimum(policy.layer_budgets(budget, num_layers), lengths), NO_LIMIT)
+    lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
-    widest = budgets.amax(0)
-    prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
-    capacity = int((prefill_peak + extra + max_new + 1).max())
-
-    cache = KVCache.create(settings.layout, model.config, len(requests), capacity, settings.block_size,
-                           model.dtype, model.device, settings.pool_pages)
-    state = _State(model, cache, policy, settings, torch.zeros(len(requests), dtype=torch.long), observe)
+    state = _new_state(model, settings, lengths, budgets, extra + max_new, observe)
+    cache = state.cache
     eos_ids = _eos_ids(model, tokenizer)
 
     with evalkit_attention(model):
@@ -212,11 +211,7 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
         start = time.perf_counter()
         decode_evicts = bool(evicting.any()) and settings.decode_eviction
         state.collect = policy.collect_decode if decode_evicts else None
-        if policy.restricts_reads:
-            read_budget = torch.where(budget < lengths, budget + extra, NO_LIMIT)
-            state.attend_filter = lambda query, keys, positions: policy.attended_slots(
-                query, keys, positions, read_budget, settings.block_size)
-        state.attended, state.available = torch.zeros(len(requests)), torch.zeros(len(requests))
+        _restrict_reads(state, budget, lengths, extra)
         outputs, texts = decode(state, logits, requests, tokenizer, eos_ids, budgets + extra, decode_evicts)
         decode_seconds = time.perf_counter() - start
 
@@ -228,6 +223,184 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
                    int(lengths[b] + extra[b]) * cache.bytes_per_token(), float(read[b]), timing)
         for b in range(len(requests))
     ]
+
+
+@dataclass
+class ScoreRequest:
+    """A continuation to score after a prompt, by teacher forcing."""
+
+    context_ids: list[int]  # prefilled and compressed
+    question_ids: list[int]  # appended after compression when query-agnostic; part of the prompt otherwise
+    continuation_ids: list[int]  # scored token by token; at least one token
+
+
+@dataclass
+class Score:
+    logprobs: list[float]  # one per scored token
+    greedy: bool  # every scored token was the model's argmax
+    prompt_tokens: int
+    kept_tokens: float  # mean per layer and KV head after prefill (after the last chunk for rolling)
+    bytes_held: int
+    bytes_ideal: int
+    bytes_full: int
+
+
+@torch.inference_mode()
+def score_continuations(model, requests: list[ScoreRequest], settings: GenerationSettings,
+                        observe: Observer | None = None) -> list[Score]:
+    """Log-probabilities of each continuation, its prompt prefilled and compressed as `generate` would.
+
+    The continuation is then read through the sparse cache like an answer being decoded: with
+    decode eviction on (and a sequence being evicted) or a read restriction (Quest), one token per
+    forward with eviction after each; otherwise all its tokens in one forward. Requests that share
+    the prompt and all but the last continuation token share one pass (multiple-choice answers).
+    """
+    groups: dict[tuple, int] = {}
+    for r in requests:
+        groups.setdefault((tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1])), len(groups))
+    member = [groups[(tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1]))]
+              for r in requests]
+    unique = [requests[member.index(g)] for g in range(len(groups))]
+    policy = settings.policy
+    if settings.query_aware:
+        compressed = [r.context_ids + r.question_ids for r in unique]
+        appended = [[] for _ in unique]
+    else:
+        compressed = [list(r.context_ids) for r in unique]
+        appended = [list(r.question_ids) for r in unique]
+    lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
+    extra = torch.tensor([len(t) for t in appended])
+    fed = [r.continuation_ids[:-1] for r in unique]  # the last token is predicted, never fed
+    state = _new_state(model, settings, lengths, budgets, extra + torch.tensor([len(f) for f in fed]), observe)
+    cache = state.cache
+    # Per unique prompt: log-probs of the shared continuation tokens, greedy so far, last distribution.
+    shared: list[list[float]] = [[] for _ in unique]
+    greedy = [True] * len(unique)
+    last: list[torch.Tensor | None] = [None] * len(unique)
+
+    def take(b: int, rows: torch.Tensor, first: int) -> None:
+        """rows [n, V] log-probs predicting continuation tokens first .. first+n-1 of unique[b]."""
+        cont = unique[b].continuation_ids
+        n_shared = max(0, min(len(rows), len(cont) - 1 - first))
+        if n_shared:
+            targets = torch.tensor(cont[first:first + n_shared], device=rows.device)
+            shared[b] += rows[:n_shared].gather(1, targets[:, None])[:, 0].tolist()
+            greedy[b] = greedy[b] and bool((rows[:n_shared].argmax(-1) == targets).all())
+        if first + len(rows) == len(cont):
+            last[b] = rows[-1].cpu()
+
+    with evalkit_attention(model):
+        state.collect = policy.collect_prefill if bool(evicting.any()) else None
+        logits = prefill(state, compressed, appended, budgets)
+        kept = cache.kept_tokens().float().mean(dim=(0, 2))
+        held, ideal = cache.bytes_held(), cache.bytes_ideal()
+        logprobs = torch.log_softmax(logits, -1)
+        for b in range(len(unique)):
+            take(b, logprobs[b:b + 1], 0)
+
+        decode_evicts = bool(evicting.any()) and settings.decode_eviction
+        state.collect = policy.collect_decode if decode_evicts else None
+        _restrict_reads(state, budget, lengths, extra)
+        stepwise = decode_evicts or (policy.restricts_reads and bool((budget < lengths).any()))
+        if stepwise:
+            for step in range(max(len(f) for f in fed)):
+                logits, counts = forward(state, [f[step:step + 1] for f in fed])
+                compress(state, budgets + extra)
+                logprobs = torch.log_softmax(logits, -1)
+                for b in range(len(unique)):
+                    if counts[b]:
+                        take(b, logprobs[b:b + 1], step + 1)
+        elif any(fed):
+            logits, counts = forward(state, fed, all_logits=True)
+            width = logits.shape[1]
+            for b in range(len(unique)):
+                if counts[b]:
+                    take(b, torch.log_softmax(logits[b, width - int(counts[b]):], -1), 1)
+
+    scores = []
+    for r, g in zip(requests, member):
+        final = last[g][r.continuation_ids[-1]]
+        prompt = len(compressed[g]) + len(appended[g])
+        scores.append(Score(shared[g] + [float(final)], greedy[g] and int(last[g].argmax()) == r.continuation_ids[-1],
+                            prompt, float(kept[g]), int(held[g]), int(ideal[g]), prompt * cache.bytes_per_token()))
+    return scores
+
+
+@torch.inference_mode()
+def score_rolling(model, sequences: list[list[int]], scored: list[int], settings: GenerationSettings,
+                  observe: Observer | None = None) -> list[Score]:
+    """Streaming log-likelihood: the log-probability of the last `scored[b]` tokens of `sequences[b]`.
+
+    Every token but the last is fed in chunks of `settings.chunk_size` (whatever `settings.prefill`:
+    in one chunk nothing would be read through the sparse cache), compressing to the budget, a
+    fraction of the fed tokens, after every chunk; so each token is predicted from the ones before it
+    that the cache kept, plus its own chunk, and the cache never exceeds budget + chunk.
+    """
+    settings = replace(settings, prefill="chunked")
+    policy = settings.policy
+    inputs = [list(s[:-1]) for s in sequences]
+    lengths, _, evicting, budgets = _budgets(model, settings, inputs)
+    state = _new_state(model, settings, lengths, budgets, torch.zeros(len(inputs), dtype=torch.long), observe)
+    cache = state.cache
+    first_scored = [len(t) - n for t, n in zip(inputs, scored)]
+    logprobs: list[list[float]] = [[] for _ in inputs]
+    greedy = [True] * len(inputs)
+    chunk = settings.chunk_size
+    with evalkit_attention(model):
+        state.collect = policy.collect_prefill if bool(evicting.any()) else None
+        for start in range(0, max(len(t) for t in inputs), chunk):
+            logits, counts = forward(state, [t[start:start + chunk] for t in inputs], all_logits=True)
+            width = logits.shape[1]
+            for b, sequence in enumerate(sequences):
+                n = int(counts[b])
+                skip = max(0, first_scored[b] - start)  # fed positions before the scored part
+                if n <= skip:
+                    continue
+                rows = torch.log_softmax(logits[b, width - n + skip:], -1)
+                targets = torch.tensor(sequence[start + skip + 1:start + n + 1], device=rows.device)
+                logprobs[b] += rows.gather(1, targets[:, None])[:, 0].tolist()
+                greedy[b] = greedy[b] and bool((rows.argmax(-1) == targets).all())
+            compress(state, budgets)
+        state.cache.compact()
+        if observe:
+            observe("prefill", cache)
+        kept = cache.kept_tokens().float().mean(dim=(0, 2))
+        held, ideal = cache.bytes_held(), cache.bytes_ideal()
+    return [Score(logprobs[b], greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]),
+                  int(lengths[b]) * cache.bytes_per_token()) for b in range(len(inputs))]
+
+
+def _budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
+    """(lengths [B], budget [B] in tokens, evicting [B] bool, per-layer caps [L, B]) for the compressed prompts."""
+    policy = settings.policy
+    lengths = torch.tensor([len(t) for t in compressed])
+    budget = resolve_budget(settings.budget, lengths)
+    evicting = (budget < lengths) & policy.evicts
+    num_layers = model_kv_shape(model.config)[0]
+    # A sequence at full budget is never evicted, not even while decoding.
+    budgets = torch.where(evicting, torch.minimum(policy.layer_budgets(budget, num_layers), lengths), NO_LIMIT)
+    return lengths, budget, evicting, budgets
+
+
+def _new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budgets: torch.Tensor,
+               after_prefill: torch.Tensor, observe: Observer | None) -> _State:
+    """A state whose cache holds the prefill's peak plus `after_prefill` [B] more tokens per head."""
+    widest = budgets.amax(0)
+    prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
+    capacity = int((prefill_peak + after_prefill + 1).max())
+    cache = KVCache.create(settings.layout, model.config, len(lengths), capacity, settings.block_size,
+                           model.dtype, model.device, settings.pool_pages)
+    return _State(model, cache, settings.policy, settings, torch.zeros(len(lengths), dtype=torch.long), observe)
+
+
+def _restrict_reads(state: _State, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:
+    """Install the policy's decode-time read restriction (Quest), if it has one."""
+    policy, settings = state.policy, state.settings
+    if policy.restricts_reads:
+        read_budget = torch.where(budget < lengths, budget + extra, NO_LIMIT)
+        state.attend_filter = lambda query, keys, positions: policy.attended_slots(
+            query, keys, positions, read_budget, settings.block_size)
+    state.attended, state.available = torch.zeros(len(lengths)), torch.zeros(len(lengths))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
