@@ -51,6 +51,7 @@ from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
 from evalkit.results import RunDir, write_json_atomic
+from evalkit.tracking import log_run, resolve_wandb_mode
 
 MODEL_NAME = "evalkit"
 RESULTS_KEY = "evalkit"  # lm-eval puts get_model_info() into results["config"]: ours lives under this key
@@ -491,6 +492,7 @@ def save_run(results: dict, out: str | Path = "runs") -> Path:
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, run_dir.predictions_path)
+    log_run(resolve_wandb_mode("auto"), run_dir.path, run_id, config, metrics, info["predictions"])
     write_json_atomic(run_dir.metrics_path, metrics)
     return run_dir.path
 

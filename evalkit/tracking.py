@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import netrc
 import os
 from pathlib import Path
@@ -37,11 +38,20 @@ def log_run(mode: str, run_dir: Path, run_id: str, config: dict, metrics: dict, 
     run = wandb.init(project=os.environ.get("WANDB_PROJECT", "evalkit"), name=run_id, id=run_id,
                      config=config, dir=str(run_dir), mode=mode, resume="allow", reinit="finish_previous",
                      settings=wandb.Settings(silent=True))
-    columns = ["id", "prompt_tokens", "prediction", "references", "score", "kept_tokens", "bytes_held"]
-    table = wandb.Table(columns=columns, data=[[str(r[c]) if c in ("references",) else r[c] for c in columns]
-                                              for r in records])
+    columns = sorted({key for record in records for key in record})
+    rows = [[_cell(r.get(c)) for c in columns] for r in records]
+    for i in range(len(columns)):  # W&B wants one type per column: a mixed column becomes text
+        if len({type(row[i]) for row in rows if row[i] is not None}) > 1:
+            for row in rows:
+                row[i] = None if row[i] is None else str(row[i])
+    table = wandb.Table(columns=columns, data=rows)
     run.log({"predictions": table})
     run.summary.update(metrics)
     where = run.dir
     run.finish()
     return where
+
+
+def _cell(value):
+    """W&B tables hold scalars; lists and dicts (references, meta) go in as JSON text."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else json.dumps(value, default=str)

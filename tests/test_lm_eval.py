@@ -119,9 +119,11 @@ def test_budget_one_equals_lm_eval_hf_model(full_budget):
     assert all(r["kept_tokens"] == r["prompt_tokens"] for r in records if r["type"] != "loglikelihood_rolling")
 
 
-def test_save_run_writes_simple_evaluate_results_to_runs(full_budget, tmp_path):
+def test_save_run_writes_simple_evaluate_results_to_runs(full_budget, tmp_path, monkeypatch):
     hf, ek = full_budget
+    monkeypatch.setenv("WANDB_MODE", "offline")  # mirrored to W&B like any evalkit run
     folder = save_run(ek, tmp_path)
+    assert list((folder / "wandb").glob("offline-run-*"))
     assert folder.parent == tmp_path and folder.name.startswith("lm_eval-ek_gen+2-h2o_head-1.0-")
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["ek_mc/acc,none"] == ek["results"]["ek_mc"]["acc,none"]
