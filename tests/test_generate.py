@@ -192,3 +192,15 @@ def test_pool_exhaustion_is_a_clear_error():
     model = tiny_model("llama")
     with pytest.raises(PoolExhausted, match=r"asked for \d+ more pages of 4 tokens, \d+ of 3 free"):
         run(model, prompts((40,)), "full", 1.0, block_size=4, pool_pages=3)
+
+
+def test_stop_strings_end_generation_and_are_cut_from_the_text(default_model):
+    model, tokenizer = default_model
+    prompt = tokenizer("Count from one to ten: one, two, three,").input_ids
+    free = generate(model, tokenizer, [Request(prompt, [], 12)], GenerationSettings(make_policy("full")))[0]
+    assert "," in free.text  # without a stop string the list goes on
+    stopped = generate(model, tokenizer, [Request(prompt, [], 12, stop=(",",))],
+                       GenerationSettings(make_policy("full")))[0]
+    assert stopped.text == free.text[: free.text.index(",")]
+    assert len(stopped.token_ids) < len(free.token_ids)
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
