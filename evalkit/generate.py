@@ -187,12 +187,7 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
              observe: Observer | None = None) -> list[Generation]:
     """Generate answers for a batch of requests under one policy and budget."""
     policy = settings.policy
-    if settings.query_aware:
-        compressed = [r.context_ids + r.question_ids for r in requests]
-        appended = [[] for _ in requests]
-    else:
-        compressed = [list(r.context_ids) for r in requests]
-        appended = [list(r.question_ids) for r in requests]
+    compressed, appended = _split_prompts(requests, settings.query_aware)
     lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
@@ -262,12 +257,7 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
               for r in requests]
     unique = [requests[member.index(g)] for g in range(len(groups))]
     policy = settings.policy
-    if settings.query_aware:
-        compressed = [r.context_ids + r.question_ids for r in unique]
-        appended = [[] for _ in unique]
-    else:
-        compressed = [list(r.context_ids) for r in unique]
-        appended = [list(r.question_ids) for r in unique]
+    compressed, appended = _split_prompts(unique, settings.query_aware)
     lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     fed = [r.continuation_ids[:-1] for r in unique]  # the last token is predicted, never fed
@@ -401,6 +391,13 @@ def _restrict_reads(state: _State, budget: torch.Tensor, lengths: torch.Tensor, 
         state.attend_filter = lambda query, keys, positions: policy.attended_slots(
             query, keys, positions, read_budget, settings.block_size)
     state.attended, state.available = torch.zeros(len(lengths)), torch.zeros(len(lengths))
+
+
+def _split_prompts(requests, query_aware: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """(what prefill compresses, what it appends uncompressed): the question joins the first when query-aware."""
+    if query_aware:
+        return [r.context_ids + r.question_ids for r in requests], [[] for _ in requests]
+    return [list(r.context_ids) for r in requests], [list(r.question_ids) for r in requests]
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -32,7 +32,6 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -50,7 +49,7 @@ from evalkit.config import DTYPES, parse_budget
 from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
-from evalkit.results import RunDir, write_json_atomic
+from evalkit.results import RunDir, package_versions, write_json_atomic
 from evalkit.tracking import log_run, resolve_wandb_mode
 
 MODEL_NAME = "evalkit"
@@ -460,12 +459,7 @@ def save_run(results: dict, out: str | Path = "runs") -> Path:
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
     label = tasks[0] if len(tasks) == 1 else f"{tasks[0]}+{len(tasks) - 1}" if tasks else "none"
     run_id = f"lm_eval-{label}-{info['args']['policy']}-{info['args']['budget']}-{digest}"
-    versions = {}
-    for package in _PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
+    versions = package_versions(_PACKAGES)
     config = {
         "config": {**info["args"], "task": "lm_eval:" + ",".join(tasks)},
         "kind": "lm_eval", "run_id": run_id, "tasks": tasks, "policy": info["policy"],

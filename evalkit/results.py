@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import metadata
 from pathlib import Path
 
 
@@ -65,3 +66,14 @@ def complete_runs(root: str | Path) -> list[tuple[dict, dict]]:
         if config_path.exists():
             found.append((json.loads(config_path.read_text()), json.loads(metrics_path.read_text())))
     return found
+
+
+def package_versions(packages: tuple[str, ...]) -> dict[str, str | None]:
+    """Installed versions, for a run's config.json (None where a package is absent)."""
+    versions = {}
+    for package in packages:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions

@@ -9,7 +9,6 @@ from __future__ import annotations
 import platform
 import time
 from dataclasses import dataclass
-from importlib import metadata
 
 import torch
 from rich.console import Console
@@ -21,7 +20,7 @@ from evalkit.generate import GenerationSettings, Request, generate
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
-from evalkit.results import RunDir, complete_runs
+from evalkit.results import RunDir, complete_runs, package_versions
 from evalkit.tasks import TASKS
 from evalkit.tracking import log_run, resolve_wandb_mode
 
@@ -139,14 +138,8 @@ def aggregate(records: list[dict]) -> dict:
 
 
 def _provenance(config: RunConfig, policy, model) -> dict:
-    versions = {}
-    for package in _PACKAGES:
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
     return {"config": config.to_dict(), "run_id": config.run_id(), "policy": repr(policy),
-            "model_class": type(model).__name__, "versions": versions, "python": platform.python_version(),
+            "model_class": type(model).__name__, "versions": package_versions(_PACKAGES), "python": platform.python_version(),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
