@@ -200,7 +200,7 @@ class PagedLayer(SlotLayer):
         S = self.block_size
         page_live = (self.pos.view(-1, S) >= 0).any(1)
         page_live[self.null_page] = True
-        table = self.block_table().long()
+        table = self.slot_index()[..., ::S] // S  # [B, H, pages]: the cached view, not the Python lists
         dead = ~page_live[table]
         if not bool(dead.any()):
             return
