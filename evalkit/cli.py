@@ -140,6 +140,13 @@ def tasks():
     _wide().print(table)
 
 
+# Commands that live beside their code.
+from evalkit import bench, report, sweep  # noqa: E402
+
+for _module in (bench, sweep, report):
+    _module.register(app)
+
+
 def main():
     # The CLI owns the terminal: its own progress bars only, not transformers' loading bars.
     from transformers.utils import logging as hf_logging

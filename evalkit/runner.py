@@ -21,7 +21,7 @@ from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
 from evalkit.results import RunDir, complete_runs, package_versions
-from evalkit.tasks import TASKS
+from evalkit.tasks.custom import make_task
 from evalkit.tracking import log_run, resolve_wandb_mode
 
 _BASELINE_KEYS = ("task", "length", "samples", "model", "seed", "temperature", "dtype")
@@ -44,7 +44,7 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
     if run_dir.complete:
         return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
 
-    task = TASKS.create(config.task)
+    task = make_task(config)
     policy = make_policy(config.policy, config.granularity)
     torch.manual_seed(config.seed)
     with console.status(f"loading {config.model}"):

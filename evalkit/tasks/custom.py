@@ -1,0 +1,9 @@
+"""Tasks a run is made from: registered names, and user data files."""
+
+from __future__ import annotations
+
+from evalkit.tasks.base import TASKS, Task
+
+
+def make_task(config) -> Task:
+    return TASKS.create(config.task)

@@ -1,0 +1,1 @@
+"""Task module niah_grid."""
