@@ -27,6 +27,7 @@ def run(
     policy: str = typer.Option("h2o_head", help="Policy name (see `evalkit policies`)."),
     budget: str = typer.Option("0.2", help="Fraction of the prompt kept, in (0, 1], or tokens kept per head (integer > 1)."),
     task: str = typer.Option("ruler:niah_single_2", help="Task name (see `evalkit tasks`)."),
+    task_arg: list[str] = typer.Option([], help="Task setting KEY=VALUE (repeatable; see `evalkit tasks`)."),
     length: int = typer.Option(2048, help="Prompt + answer tokens per sample."),
     samples: int = typer.Option(10, help="Number of samples."),
     model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
@@ -49,10 +50,10 @@ def run(
     wandb: str = typer.Option("auto", help="auto (online only with credentials), off, offline, online."),
 ):
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
-    from evalkit.config import RunConfig
+    from evalkit.config import RunConfig, parse_task_args
     from evalkit.runner import run as run_eval
 
-    config = RunConfig(policy=policy, budget=budget, task=task, length=length, samples=samples, model=model,
+    config = RunConfig(policy=policy, budget=budget, task=task, task_args=parse_task_args(task_arg), length=length, samples=samples, model=model,
                        layout=layout, block_size=block_size, granularity=granularity, prefill=prefill,
                        chunk_size=chunk_size, query_aware=query_aware, decode_eviction=decode_eviction,
                        temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
@@ -36,11 +36,23 @@ def parse_budget(text: str | float | int) -> float | int:
     return value
 
 
+def parse_task_args(items: list[str]) -> dict[str, str]:
+    """`["depths=0,50,100", "lengths=1k,2k"]` -> {"depths": "0,50,100", "lengths": "1k,2k"}."""
+    args = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise EvalkitError(f"task-arg must be KEY=VALUE, got {item!r}")
+        args[key.strip()] = value.strip()
+    return args
+
+
 @dataclass
 class RunConfig:
     policy: str = "h2o_head"
     budget: float | int = 0.2
     task: str = "ruler:niah_single_2"
+    task_args: dict[str, str] = field(default_factory=dict)  # task-specific settings, `--task-arg key=value`
     length: int = 2048  # prompt + answer tokens per sample, fitted with the model's tokenizer
     samples: int = 10
     model: str = DEFAULT_MODEL

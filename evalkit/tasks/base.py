@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable
 
+from evalkit.errors import EvalkitError
 from evalkit.registry import Registry
 
 
@@ -39,6 +40,10 @@ class Task(ABC):
     @abstractmethod
     def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
         """`n` samples whose prompt plus `max_new_tokens` fits in `length` tokens; same seed, same samples."""
+
+    def with_args(self, args: dict[str, str]) -> "Task":
+        """This task with `--task-arg` settings applied; tasks that take settings override this."""
+        raise EvalkitError(f"task {self.name} takes no --task-arg settings, got {', '.join(sorted(args))}")
 
     @abstractmethod
     def score(self, prediction: str, references: list[str]) -> float:

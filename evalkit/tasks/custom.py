@@ -6,4 +6,5 @@ from evalkit.tasks.base import TASKS, Task
 
 
 def make_task(config) -> Task:
-    return TASKS.create(config.task)
+    task = TASKS.create(config.task)
+    return task.with_args(config.task_args) if config.task_args else task
