@@ -1,0 +1,244 @@
+"""Paged attention over per-(sequence, KV head) block tables: Triton kernel, launcher, torch reference.
+
+Storage (evalkit/cache/storage.py): K and V are flat slot arrays `[slots, D]`; a page is `S`
+consecutive slots; head (b, h) owns the pages `table[b, h, :]` in fill order, its first
+`head_tokens[b, h]` table positions are scanned, and `slot_pos[slot]` holds the token's original
+position (-1 = empty slot: a hole left by eviction, or padding). A query at position p reads the
+slots with 0 <= pos <= p (and pos > p - window under a sliding window). Heads of one sequence may
+hold different numbers of tokens.
+
+One kernel serves both uses:
+- decode (T = 1): the head's tokens are cut into splits (flash-decoding), each split writes a
+  partial softmax state, a second kernel merges them;
+- chunked prefill (T > 1): the chunk's queries against the kept cache, which already holds the
+  chunk (appended before attention), so causality within the chunk comes from the positions.
+The G = H_q / H_kv query heads of a KV head are stacked as rows of one tile, so a program loads
+each page once for the whole group. Shapes: B batch, H_q / H_kv heads, G group, T queries,
+D head dim, P pages per head, S slots per page, R = T * G rows per KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evalkit.kernels.runtime import INTERPRETED, dot_precision, tl, triton
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS,
+    OUT, LSE2, PART_ACC, PART_M, PART_L,
+    scale_log2, block_size, window, tokens_per_split, T, G, H_KV, HEAD_DIM,
+    stride_q_b, stride_q_h, stride_q_t,
+    stride_k_slot, stride_v_slot,
+    stride_table_b, stride_table_h,
+    stride_out_b, stride_out_t, stride_out_h,
+    stride_part_row, stride_part_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    bh = tl.program_id(0)  # one (sequence, KV head)
+    b = bh // H_KV
+    kv = bh % H_KV
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # row r = query t * G + group member g
+    split = tl.program_id(2)
+    row_ok = rows < T * G
+    t = rows // G
+    h = kv * G + rows % G  # query head
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + t[:, None] * stride_q_t + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = tl.load(Q_POS + b * T + t, mask=row_ok, other=-1)  # [M]
+    q_pos_max = tl.max(q_pos, 0)
+
+    n_head = tl.load(HEAD_TOKENS + bh)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, n_head)
+    table = TABLE + b * stride_table_b + kv * stride_table_h
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scaled scores (log2 units)
+    l = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(table + n // block_size, mask=n_ok, other=0).to(tl.int64)
+        slot = page * block_size + n % block_size
+        k_pos = tl.load(SLOT_POS + slot, mask=n_ok, other=-1)  # [N]
+        readable = (k_pos >= 0) & (k_pos <= q_pos_max)
+        if tl.max(readable.to(tl.int32), 0) > 0:  # blocks wholly empty or in every query's future: skipped
+            k = tl.load(K + slot[:, None] * stride_k_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                        other=0.0)  # [N, D]
+            v = tl.load(V + slot[:, None] * stride_v_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
+            allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+            if window > 0:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing readable yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m - m_safe)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+
+    if SPLIT:
+        part = (bh * T * G + rows) * stride_part_row + split * stride_part_split
+        tl.store(PART_M + part, m, mask=row_ok)
+        tl.store(PART_L + part, l, mask=row_ok)
+        tl.store(PART_ACC + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        nonempty = l > 0  # a query that reads nothing gets zeros and lse -inf
+        out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
+        tl.store(OUT + b * stride_out_b + t[:, None] * stride_out_t + h[:, None] * stride_out_h + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+        tl.store(LSE2 + (b * H_KV * G + h) * T + t, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    OUT, LSE2, PART_ACC, PART_M, PART_L,
+    T, G, H_KV, HEAD_DIM, num_splits,
+    stride_out_b, stride_out_t, stride_out_h,
+    stride_part_row, stride_part_split,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Flash-decoding's reduction: one program per (sequence, query head, query) merges its splits."""
+    row = tl.program_id(0)  # (b * H_kv + kv) * T * G + t * G + g
+    bh = row // (T * G)
+    r = row % (T * G)
+    b = bh // H_KV
+    t = r // G
+    h = (bh % H_KV) * G + r % G
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    part = row * stride_part_row + s * stride_part_split
+    m = tl.load(PART_M + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(PART_L + part, mask=s_ok, other=0.0)
+    acc = tl.load(PART_ACC + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    m_all = tl.max(m, 0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp2(m - m_safe)
+    l_all = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0)
+    nonempty = l_all > 0
+    out = tl.where(nonempty, out / tl.where(nonempty, l_all, 1.0), 0.0)
+    tl.store(OUT + b * stride_out_b + t * stride_out_t + h * stride_out_h + d, out.to(OUT.dtype.element_ty),
+             mask=d < HEAD_DIM)
+    lse2 = tl.where(nonempty, m_safe + tl.log2(tl.where(nonempty, l_all, 1.0)), float("-inf"))
+    tl.store(LSE2 + (b * H_KV * G + h) * T + t, lse2)
+
+
+def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, block_size, scale,
+                    window=0, num_splits=None, out=None, block_n=None):
+    """Attention of new queries over a paged cache.
+
+    q: [B, H_q, T, D] (any strides, last dim contiguous); q_pos: [B, T] int64;
+    k_slots, v_slots: [slots, D]; slot_pos: [slots] int64 (-1 = empty);
+    table: [B, H_kv, P] int32 page ids; head_tokens: [B, H_kv] int32 table positions to scan (<= P * S).
+    Returns out: [B, T, H_q, D] in q's dtype and lse: [B, H_q, T] float32 (natural log; -inf where a
+    query reads nothing, and then out is 0). `num_splits` > 1 cuts each head's tokens for decode.
+    """
+    B, H_q, T, D = q.shape
+    H_kv = table.shape[1]
+    G = H_q // H_kv
+    assert q.stride(-1) == 1 and k_slots.stride(-1) == 1 and v_slots.stride(-1) == 1
+    table = table.to(torch.int32).contiguous()
+    head_tokens = head_tokens.to(torch.int32).contiguous()
+    q_pos = q_pos.to(torch.int64).contiguous()
+    slot_pos = slot_pos.contiguous()
+    max_tokens = table.shape[2] * block_size
+    block_m = max(16, min(64, triton.next_power_of_2(T * G)))  # tl.dot needs tiles of at least 16
+    block_n = block_n or (16 if INTERPRETED else 64)
+    block_d = max(16, triton.next_power_of_2(D))
+    rows = T * G
+    if num_splits is None:
+        num_splits = _decode_splits(B * H_kv * triton.cdiv(rows, block_m), max_tokens, block_n, q.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(max(1, max_tokens), num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(max(1, max_tokens), tokens_per_split))
+    if out is None:
+        out = torch.empty(B, T, H_q, D, dtype=q.dtype, device=q.device)
+    lse2 = torch.empty(B, H_q, T, dtype=torch.float32, device=q.device)
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty(B * H_kv * rows, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(B * H_kv * rows, num_splits, block_d, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = lse2  # unused
+    grid = (B * H_kv, triton.cdiv(rows, block_m), num_splits)
+    _paged_attention_kernel[grid](
+        q, k_slots, v_slots, slot_pos, table, head_tokens, q_pos,
+        out, lse2, part_acc, part_m, part_l,
+        scale * LOG2E, block_size, window or 0, tokens_per_split, T, G, H_kv, D,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_slots.stride(0), v_slots.stride(0),
+        table.stride(0), table.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        num_splits if split else 0, 1 if split else 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split, UPCAST=INTERPRETED,
+        PRECISION=dot_precision(q.dtype),
+    )
+    if split:
+        _merge_splits_kernel[(B * H_kv * rows,)](
+            out, lse2, part_acc, part_m, part_l, T, G, H_kv, D, num_splits,
+            out.stride(0), out.stride(1), out.stride(2), num_splits, 1,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+        )
+    return out, lse2 / LOG2E
+
+
+def _decode_splits(programs: int, max_tokens: int, block_n: int, device) -> int:
+    """Enough splits to give every multiprocessor ~2 programs, each at least 4 blocks of tokens."""
+    if device.type != "cuda" or programs == 0:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(2 * sms, programs)
+    return max(1, min(wanted, max_tokens // (4 * block_n), 256))
+
+
+def gather_heads(slots, table, head_tokens, block_size):
+    """[slots, ...] -> [B, H_kv, N, ...] in table order (N = P * S); positions past a head's tokens are
+    returned as slot -1. Shared by the references."""
+    B, H_kv, P = table.shape
+    n = torch.arange(P * block_size, device=table.device)
+    slot = table.long()[:, :, n // block_size] * block_size + n % block_size  # [B, H_kv, N]
+    slot = slot.masked_fill(n >= head_tokens.long()[..., None], -1)
+    return slot
+
+
+def paged_attention_reference(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, block_size, scale,
+                              window=0):
+    """Float64 torch twin of `paged_attention`: gather each head's slots, mask, softmax."""
+    B, H_q, T, D = q.shape
+    H_kv = table.shape[1]
+    G = H_q // H_kv
+    slot = gather_heads(slot_pos, table, head_tokens, block_size)  # [B, H_kv, N]
+    k_pos = torch.where(slot >= 0, slot_pos[slot.clamp(min=0)], -1)
+    k = k_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
+    v = v_slots[slot.clamp(min=0)].double()
+    qg = q.double().reshape(B, H_kv, G, T, D)
+    scores = torch.einsum("bkgtd,bknd->bkgtn", qg, k) * scale
+    kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
+    allowed = (kp >= 0) & (kp <= qp)
+    if window:
+        allowed &= kp > qp - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # [B, H_kv, G, T]
+    probs = torch.exp(scores - lse.clamp(min=-1e300)[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bkgtn,bknd->bkgtd", probs, v).reshape(B, H_q, T, D).transpose(1, 2)
+    return out, lse.reshape(B, H_q, T)
+
