@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from evalkit.cache import KVCache
+from evalkit.kernels import use_triton
 
 ATTENTION_NAME = "evalkit"
 _ELEMENTS_PER_BLOCK = 1 << 23  # a query block's scores: 32 MiB of float32, as fast as larger blocks here
@@ -37,6 +38,7 @@ class ForwardPlan:
     attend_filter: Callable | None = None
     attended: torch.Tensor | None = None  # [B] slots read, summed over layers (when filtered)
     available: torch.Tensor | None = None  # [B] live slots, summed over layers (when filtered)
+    kernels: str = "auto"  # see evalkit.kernels.use_triton
 
 
 def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0):
@@ -52,8 +54,7 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     H_kv, N = k.shape[1], k.shape[2]
     G = H_q // H_kv
     if collect == "window":  # only the window's queries need probabilities: the rest takes a fast path
-        last = q_pos.masked_fill(~q_valid, -1).amax(1, keepdim=True)  # [B, 1]
-        counted = q_valid & (q_pos > last - window)
+        counted = window_queries(q_pos, q_valid, window)
         first = int(counted.any(0).nonzero()[0]) if bool(counted.any()) else T
         out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
         _, stats = attention_reference(q[:, :, first:], q_pos[:, first:], counted[:, first:], k, v, k_pos,
@@ -95,6 +96,12 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     return out.view(B, H_q, T, D).transpose(1, 2), stats
 
 
+def window_queries(q_pos, q_valid, window):
+    """[B, T] bool: the valid queries among each row's last `window` positions."""
+    last = q_pos.masked_fill(~q_valid, -1).amax(1, keepdim=True)  # [B, 1]
+    return q_valid & (q_pos > last - window)
+
+
 def _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window) -> bool:
     """True when the slots are exactly the new tokens, at consecutive positions, in order: then the
     causal mask by index that SDPA's `is_causal` applies is the mask by position."""
@@ -111,16 +118,17 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError("the evalkit attention runs only inside evalkit's generation loop")
     plan = evalkit_plan
     layer = plan.cache.layers[module.layer_idx]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if plan.attend_filter is None and use_triton(plan.kernels, query):
+        return _kernel_attention(layer, query, key, value, plan, scaling, sliding_window), None
     layer.append(key, value, plan.positions, plan.valid)
     view = layer.read()
-    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     visible = view.pos
     if plan.attend_filter is not None:
         read = plan.attend_filter(query[:, :, -1], view.k, view.pos)
         visible = view.pos.masked_fill(~read, -1)
         plan.attended += read.sum((1, 2)).cpu()
         plan.available += (view.pos >= 0).sum((1, 2)).cpu()
-    # Dispatch point: the Triton kernels take over here on CUDA tensors (kernels issue).
     out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, visible,
                                      scaling, sliding_window, plan.collect, plan.window)
     if plan.collect == "attention":
@@ -128,6 +136,32 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     elif plan.collect == "window":
         layer.set_stats(view.index, stats, rows=plan.valid.any(1))
     return out, None
+
+
+def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
+    """The Triton path: attention straight from the pages, statistics in a second O(n) pass."""
+    from evalkit.kernels.attention_stats import attention_stats
+    from evalkit.kernels.paged_attention import paged_attention
+
+    fresh = query.shape[2] > 1 and plan.collect is None and not bool(layer.live_counts().any())
+    layer.append(key, value, plan.positions, plan.valid)
+    if fresh and _is_fresh_causal(plan.positions, plan.valid, plan.positions[:, None, :], sliding_window):
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+    table, block_size, head_tokens = layer.page_table()
+    window = sliding_window or 0
+    out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, table, head_tokens,
+                               block_size, scaling, window)
+    if plan.collect:
+        counted = plan.valid if plan.collect == "attention" else window_queries(plan.positions, plan.valid,
+                                                                                 plan.window)
+        stats = attention_stats(query, plan.positions, counted, layer.k, layer.pos, table, head_tokens,
+                                block_size, scaling, lse, window)
+        if plan.collect == "attention":
+            layer.add_stats(layer.slot_index(), stats)
+        else:
+            layer.set_stats(layer.slot_index(), stats, rows=plan.valid.any(1))
+    return out
 
 
 def _no_mask(*args, **kwargs):

@@ -35,6 +35,7 @@ class GenerationSettings:
     temperature: float = 0.0  # 0 = greedy
     seed: int = 0
     pool_pages: int | None = None  # per layer; default: what the batch needs at its peak
+    kernels: str = "auto"  # attention: "auto" (Triton on CUDA), "triton" or "torch"
 
 
 @dataclass
@@ -92,7 +93,8 @@ def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) ->
             valid[b, width - len(row):] = True
     positions = (state.seen[:, None] + valid.cumsum(1) - 1).masked_fill(~valid, 0)
     plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
-                       state.policy.observation_window, state.attend_filter, state.attended, state.available)
+                       state.policy.observation_window, state.attend_filter, state.attended, state.available,
+                       state.settings.kernels)
     out = state.model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
                       logits_to_keep=0 if all_logits else 1, evalkit_plan=plan)
     counts = valid.sum(1)
@@ -109,7 +111,7 @@ def compress(state: _State, budgets: torch.Tensor) -> None:
     policy = state.policy
     for layer_idx, layer in enumerate(state.cache.layers):
         budget = budgets[layer_idx]
-        if bool((layer.live_counts() <= budget[:, None]).all()):
+        if bool((layer.live_counts().cpu() <= budget[:, None]).all()):
             continue
         recent = policy.recent_tokens + (policy.recent_fraction * (budget - policy.sink_tokens).clamp(min=0)).long()
         view = layer.read()

@@ -67,6 +67,11 @@ class SlotLayer:
         """[B] slots held (allocated) per sequence."""
         raise NotImplementedError
 
+    def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """What the kernels read instead of a gathered view: (table [B, H_kv, P] int32 page ids, page size S,
+        head_tokens [B, H_kv] int32 table positions to scan); page p is slots [p * S, (p + 1) * S)."""
+        raise NotImplementedError
+
     # shared ------------------------------------------------------------------
     def read(self) -> SlotView:
         index = self.slot_index()
@@ -210,6 +215,12 @@ class PagedLayer(SlotLayer):
             self.pool.free(gone)
         self._index = None
 
+    def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        S = self.block_size
+        table = self.slot_index()[..., ::S] // S  # tables are padded at their end with the sentinel page
+        head_tokens = (table != self.null_page).sum(-1) * S
+        return table.to(torch.int32), S, head_tokens.to(torch.int32)
+
     def held_slots(self) -> torch.Tensor:
         pages = [sum(len(t) for t in row) for row in self.tables]
         return torch.tensor(pages, device=self.pos.device) * self.block_size
@@ -236,6 +247,12 @@ class DenseLayer(SlotLayer):
                 f"dense KV cache full: capacity {self.capacity} tokens per head, "
                 f"{int(free_needed.max())} more asked (raise the capacity)"
             )
+
+    def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """One page per head, the size of its whole buffer."""
+        table = torch.arange(self.batch * self.kv_heads, dtype=torch.int32, device=self.pos.device)
+        tokens = torch.full((self.batch, self.kv_heads), self.capacity, dtype=torch.int32, device=self.pos.device)
+        return table.view(self.batch, self.kv_heads, 1), self.capacity, tokens
 
     def held_slots(self) -> torch.Tensor:
         return torch.full((self.batch,), self.kv_heads * self.capacity, device=self.pos.device)

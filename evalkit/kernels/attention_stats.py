@@ -16,10 +16,12 @@ import torch
 from evalkit.kernels.paged_attention import LOG2E, gather_heads
 from evalkit.kernels.runtime import INTERPRETED, dot_precision, tl, triton
 
+STATS_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)  # see paged_attention.DECODE_LAUNCH
+
 
 @triton.jit
 def _attention_stats_kernel(
-    Q, K, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS, COUNTED, LSE2, STATS,
+    Q, K, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS, COUNTED, FIRST_COUNTED, LSE2, STATS,
     scale_log2, inv_group, block_size, window, T, G, H_KV, HEAD_DIM, max_tokens,
     stride_q_b, stride_q_h, stride_q_t,
     stride_k_slot,
@@ -45,34 +47,43 @@ def _attention_stats_kernel(
                     other=0.0)  # [N, D]
         if UPCAST:
             k = k.to(tl.float32)
+        # Rows before the first counted query, and queries before these keys, add nothing. Positions never
+        # decrease along T (left padding sits at position 0), so the latter are a prefix: bisect for its end.
         first_pos = tl.min(tl.where(live, k_pos, 1 << 62), 0)
-        for row_start in range(0, T * G, BLOCK_M):
+        lo = tl.load(FIRST_COUNTED + b)
+        hi = T
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(Q_POS + b * T + mid) < first_pos:
+                lo = mid + 1
+            else:
+                hi = mid
+        for row_start in range((lo * G) // BLOCK_M * BLOCK_M, T * G, BLOCK_M):
             rows = row_start + tl.arange(0, BLOCK_M)  # row r = query t * G + group member g
             row_ok = rows < T * G
             t = rows // G
+            h = kv * G + rows % G
             q_pos = tl.load(Q_POS + b * T + t, mask=row_ok, other=-1)
             counted = (tl.load(COUNTED + b * T + t, mask=row_ok, other=0) != 0) & row_ok
-            # Query blocks that count nothing, or all lie before these keys, add nothing: skipped.
-            if tl.max((counted & (q_pos >= first_pos)).to(tl.int32), 0) > 0:
-                h = kv * G + rows % G
-                q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + t[:, None] * stride_q_t + d[None, :],
-                            mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-                if UPCAST:
-                    q = q.to(tl.float32)
-                lse2 = tl.load(LSE2 + (b * H_KV * G + h) * T + t, mask=counted, other=float("inf"))
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
-                allowed = counted[:, None] & live[None, :] & (k_pos[None, :] <= q_pos[:, None])
-                if window > 0:
-                    allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-                column += tl.sum(tl.where(allowed, tl.exp2(s - lse2[:, None]), 0.0), 0)
+            q = tl.load(Q + b * stride_q_b + h[:, None] * stride_q_h + t[:, None] * stride_q_t + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+            if UPCAST:
+                q = q.to(tl.float32)
+            lse2 = tl.load(LSE2 + (b * H_KV * G + h) * T + t, mask=counted, other=float("inf"))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
+            allowed = counted[:, None] & live[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            if window > 0:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            column += tl.sum(tl.where(allowed, tl.exp2(s - lse2[:, None]), 0.0), 0)
     tl.store(STATS + bh * max_tokens + n, column * inv_group, mask=n < max_tokens)
 
 
 def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, block_size, scale, lse,
-                    window=0, out=None, block_n=None):
+                    window=0, out=None, launch=None):
     """Each slot's probability summed over the counted queries, averaged over the group.
 
-    q: [B, H_q, T, D]; q_pos: [B, T] int64; counted: [B, T] bool (queries that contribute);
+    q: [B, H_q, T, D]; q_pos: [B, T] int64, non-decreasing along T; counted: [B, T] bool (queries that
+    contribute);
     lse: [B, H_q, T] float32 from `paged_attention` on the same inputs; other arguments as there.
     Returns stats: [B, H_kv, P * S] float32 in table order (0 past a head's tokens and in holes).
     """
@@ -84,18 +95,21 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, bl
     max_tokens = P * block_size
     if out is None:
         out = torch.empty(B, H_kv, max_tokens, dtype=torch.float32, device=q.device)
-    block_n = block_n or (16 if INTERPRETED else 64)
+    launch = {**STATS_LAUNCH, **(launch or {})}
+    block_n = 16 if INTERPRETED else launch["block_n"]
+    block_m = 16 if INTERPRETED else min(launch["block_m"], max(16, triton.next_power_of_2(T * G)))
     grid = (B * H_kv, triton.cdiv(max_tokens, block_n))
     _attention_stats_kernel[grid](
         q, k_slots, slot_pos.contiguous(), table, head_tokens.to(torch.int32).contiguous(),
         q_pos.to(torch.int64).contiguous(), counted.to(torch.int8).contiguous(),
-        (lse * LOG2E).contiguous(), out,
+        torch.where(counted.any(1), counted.to(torch.int8).argmax(1), T).to(torch.int32), (lse * LOG2E).contiguous(),
+        out,
         scale * LOG2E, 1.0 / G, block_size, window or 0, T, G, H_kv, D, max_tokens,
         q.stride(0), q.stride(1), q.stride(2),
         k_slots.stride(0),
         table.stride(0), table.stride(1),
-        BLOCK_M=max(16, min(64, triton.next_power_of_2(T * G))), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)), UPCAST=INTERPRETED,
+        PRECISION=dot_precision(q.dtype), num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
     return out
 

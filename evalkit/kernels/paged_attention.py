@@ -19,11 +19,16 @@ D head dim, P pages per head, S slots per page, R = T * G rows per KV head.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from evalkit.kernels.runtime import INTERPRETED, dot_precision, tl, triton
 
 LOG2E = 1.4426950408889634
+# Tiles and schedules, from scripts/bench_kernels.py's sweep on an H200 (see the README).
+DECODE_LAUNCH = dict(block_m=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=16, skip_future=False)
+CHUNK_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=1, skip_future=True)
 
 
 @triton.jit
@@ -37,7 +42,7 @@ def _paged_attention_kernel(
     stride_out_b, stride_out_t, stride_out_h,
     stride_part_row, stride_part_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, SKIP_FUTURE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh = tl.program_id(0)  # one (sequence, KV head)
     b = bh // H_KV
@@ -71,8 +76,9 @@ def _paged_attention_kernel(
         page = tl.load(table + n // block_size, mask=n_ok, other=0).to(tl.int64)
         slot = page * block_size + n % block_size
         k_pos = tl.load(SLOT_POS + slot, mask=n_ok, other=-1)  # [N]
-        readable = (k_pos >= 0) & (k_pos <= q_pos_max)
-        if tl.max(readable.to(tl.int32), 0) > 0:  # blocks wholly empty or in every query's future: skipped
+        # Chunks skip blocks that are empty or in every query's future (half a fresh prompt's blocks);
+        # decode reads every block, and a branch-free loop lets Triton pipeline its loads.
+        if (not SKIP_FUTURE) or tl.max(((k_pos >= 0) & (k_pos <= q_pos_max)).to(tl.int32), 0) > 0:
             k = tl.load(K + slot[:, None] * stride_k_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
                         other=0.0)  # [N, D]
             v = tl.load(V + slot[:, None] * stride_v_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
@@ -143,14 +149,15 @@ def _merge_splits_kernel(
 
 
 def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, block_size, scale,
-                    window=0, num_splits=None, out=None, block_n=None):
+                    window=0, num_splits=None, out=None, launch=None):
     """Attention of new queries over a paged cache.
 
     q: [B, H_q, T, D] (any strides, last dim contiguous); q_pos: [B, T] int64;
     k_slots, v_slots: [slots, D]; slot_pos: [slots] int64 (-1 = empty);
     table: [B, H_kv, P] int32 page ids; head_tokens: [B, H_kv] int32 table positions to scan (<= P * S).
     Returns out: [B, T, H_q, D] in q's dtype and lse: [B, H_q, T] float32 (natural log; -inf where a
-    query reads nothing, and then out is 0). `num_splits` > 1 cuts each head's tokens for decode.
+    query reads nothing, and then out is 0). `num_splits` > 1 cuts each head's tokens for decode;
+    `launch` overrides the tile and schedule (keys of DECODE_LAUNCH), which scripts/bench_kernels.py sweeps.
     """
     B, H_q, T, D = q.shape
     H_kv = table.shape[1]
@@ -161,12 +168,14 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, bl
     q_pos = q_pos.to(torch.int64).contiguous()
     slot_pos = slot_pos.contiguous()
     max_tokens = table.shape[2] * block_size
-    block_m = max(16, min(64, triton.next_power_of_2(T * G)))  # tl.dot needs tiles of at least 16
-    block_n = block_n or (16 if INTERPRETED else 64)
+    launch = {**(DECODE_LAUNCH if T == 1 else CHUNK_LAUNCH), **(launch or {})}
+    block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * G)))  # tl.dot tiles are >= 16
+    block_n = 16 if INTERPRETED else launch["block_n"]
     block_d = max(16, triton.next_power_of_2(D))
     rows = T * G
     if num_splits is None:
-        num_splits = _decode_splits(B * H_kv * triton.cdiv(rows, block_m), max_tokens, block_n, q.device)
+        num_splits = _decode_splits(B * H_kv * triton.cdiv(rows, block_m), max_tokens, block_n, q.device,
+                                    launch["programs_per_sm"])
     tokens_per_split = triton.cdiv(triton.cdiv(max(1, max_tokens), num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(max(1, max_tokens), tokens_per_split))
     if out is None:
@@ -189,8 +198,9 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, bl
         table.stride(0), table.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         num_splits if split else 0, 1 if split else 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split, UPCAST=INTERPRETED,
-        PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split, SKIP_FUTURE=launch["skip_future"],
+        UPCAST=INTERPRETED, PRECISION=dot_precision(q.dtype), num_warps=launch["num_warps"],
+        num_stages=launch["num_stages"],
     )
     if split:
         _merge_splits_kernel[(B * H_kv * rows,)](
@@ -201,13 +211,17 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, bl
     return out, lse2 / LOG2E
 
 
-def _decode_splits(programs: int, max_tokens: int, block_n: int, device) -> int:
-    """Enough splits to give every multiprocessor ~2 programs, each at least 4 blocks of tokens."""
+def _decode_splits(programs: int, max_tokens: int, block_n: int, device, programs_per_sm: int) -> int:
+    """Enough splits for `programs_per_sm` programs on every multiprocessor, each at least 2 blocks of tokens."""
     if device.type != "cuda" or programs == 0:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(2 * sms, programs)
-    return max(1, min(wanted, max_tokens // (4 * block_n), 256))
+    wanted = triton.cdiv(programs_per_sm * _multiprocessors(device.index or 0), programs)
+    return max(1, min(wanted, max_tokens // (2 * block_n), 256))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def gather_heads(slots, table, head_tokens, block_size):

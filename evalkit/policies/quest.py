@@ -35,9 +35,9 @@ class Quest(Policy):
         live = positions >= 0
         page = torch.where(live, positions // block_size, 0)  # [B, H_kv, N]
         n_pages = int(page.max()) + 1
-        lo = torch.full((B, H_kv, n_pages, D), float("inf")).scatter_reduce(
+        lo = torch.full((B, H_kv, n_pages, D), float("inf"), device=keys.device).scatter_reduce(
             2, page[..., None].expand(-1, -1, -1, D), keys.float().masked_fill(~live[..., None], float("inf")), "amin")
-        hi = torch.full((B, H_kv, n_pages, D), float("-inf")).scatter_reduce(
+        hi = torch.full((B, H_kv, n_pages, D), float("-inf"), device=keys.device).scatter_reduce(
             2, page[..., None].expand(-1, -1, -1, D), keys.float().masked_fill(~live[..., None], float("-inf")), "amax")
         q = query.float().view(B, H_kv, -1, 1, D)  # [B, H_kv, G, 1, D]
         bound = torch.maximum(q * lo[:, :, None], q * hi[:, :, None]).sum(-1).sum(2)  # [B, H_kv, P]
@@ -48,8 +48,8 @@ class Quest(Policy):
         newest = positions.amax(-1) // block_size  # [B, H_kv]
         bound = bound.scatter(2, newest[..., None], float("inf"))
         order = torch.sort(bound, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_pages).expand_as(order))
-        pages_kept = -(-budget // block_size)  # [B]
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_pages, device=keys.device).expand_as(order))
+        pages_kept = -(-budget.to(keys.device) // block_size)  # [B]
         chosen = present & (rank < pages_kept[:, None, None])  # [B, H_kv, P]
         return live & chosen.gather(2, page)
 

@@ -17,7 +17,7 @@ class RandomPolicy(Policy):
         span = int(inp.positions.max()) + 1
         generator = torch.Generator().manual_seed(inp.seed * 100_003 + inp.layer)
         # Drawn position-major so a token keeps its priority as the sequence grows.
-        priority = torch.rand(span, B, H, generator=generator).permute(1, 2, 0)
+        priority = torch.rand(span, B, H, generator=generator).permute(1, 2, 0).to(inp.positions.device)
         return priority.gather(2, inp.positions.clamp(min=0))
 
 
