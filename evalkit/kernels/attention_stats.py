@@ -16,7 +16,7 @@ import torch
 from evalkit.kernels.paged_attention import LOG2E, gather_heads
 from evalkit.kernels.runtime import INTERPRETED, dot_precision, tl, triton
 
-STATS_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=3)  # see paged_attention.DECODE_LAUNCH
+STATS_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)  # see paged_attention.DECODE_LAUNCH
 
 
 @triton.jit

@@ -111,5 +111,5 @@ def in_position_space(fn, values: torch.Tensor, positions: torch.Tensor) -> torc
     live = positions >= 0
     T = int(positions.max()) + 1
     col = torch.where(live, positions, T)
-    by_position = torch.zeros(B, H, T + 1).scatter(2, col, values.float().masked_fill(~live, 0))[..., :T]
-    return torch.cat([fn(by_position), torch.zeros(B, H, 1)], dim=2).gather(2, col)
+    by_position = torch.zeros(B, H, T + 1, device=values.device).scatter(2, col, values.float().masked_fill(~live, 0))[..., :T]
+    return torch.cat([fn(by_position), torch.zeros(B, H, 1, device=values.device)], dim=2).gather(2, col)
