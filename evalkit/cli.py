@@ -26,10 +26,17 @@ def _fail(message: str, code: int = 2):
 def run(
     policy: str = typer.Option("h2o_head", help="Policy name (see `evalkit policies`)."),
     budget: str = typer.Option("0.2", help="Fraction of the prompt kept, in (0, 1], or tokens kept per head (integer > 1)."),
-    task: str = typer.Option("ruler:niah_single_2", help="Task name (see `evalkit tasks`)."),
+    task: str = typer.Option("ruler:niah_single_2", help="Task name (see `evalkit tasks`), or your data: "
+                                                          "jsonl:PATH or hf:NAME[:CONFIG]:SPLIT."),
     task_arg: list[str] = typer.Option([], help="Task setting KEY=VALUE (repeatable; see `evalkit tasks`)."),
-    length: int = typer.Option(2048, help="Prompt + answer tokens per sample."),
-    samples: int = typer.Option(10, help="Number of samples."),
+    length: int = typer.Option(2048, help="Prompt + answer tokens per sample (data tasks: the most one may take)."),
+    samples: Optional[int] = typer.Option(None, help="Number of samples (default 10); data tasks take --limit."),
+    data_format: Optional[str] = typer.Option(None, "--format",
+                                              help="Data tasks: kvpress, ruler, longbench or auto (detected)."),
+    metric: Optional[str] = typer.Option(None, help="Data tasks: string_match_all (default), string_match_part, "
+                                                    "exact, f1, rouge_l, ... (LongBench data: its own)."),
+    limit: Optional[int] = typer.Option(None, help="Data tasks: at most this many records (default: all)."),
+    offset: Optional[int] = typer.Option(None, help="Data tasks: skip this many records first (default 0)."),
     model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
     layout: str = typer.Option("paged", help="KV storage: paged (per-head block tables) or dense."),
     block_size: int = typer.Option(16, help="Tokens per page (also the page of --granularity page)."),
@@ -52,12 +59,18 @@ def run(
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
     from evalkit.config import RunConfig, parse_task_args
     from evalkit.runner import run as run_eval
+    from evalkit.tasks.custom import is_data_task
 
-    config = RunConfig(policy=policy, budget=budget, task=task, task_args=parse_task_args(task_arg), length=length, samples=samples, model=model,
+    if samples is not None and is_data_task(task):
+        raise EvalkitError("--samples is not for data tasks: they run every record in "
+                           "[--offset, --offset + --limit); use --limit N")
+    config = RunConfig(policy=policy, budget=budget, task=task, task_args=parse_task_args(task_arg), length=length,
+                       **({} if samples is None else {"samples": samples}), model=model,
                        layout=layout, block_size=block_size, granularity=granularity, prefill=prefill,
                        chunk_size=chunk_size, query_aware=query_aware, decode_eviction=decode_eviction,
                        temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
-                       dtype=dtype, device=device, out=out_dir, wandb=wandb)
+                       dtype=dtype, device=device, out=out_dir, wandb=wandb, data_format=data_format,
+                       metric=metric, limit=limit, offset=offset)
     result = run_eval(config, err)
     _print_result(result)
 

@@ -6,12 +6,14 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
 from evalkit.errors import EvalkitError
 from evalkit.policies import GRANULARITIES, POLICIES
 from evalkit.tasks import TASKS
+from evalkit.tasks.custom import DataTask, is_data_task, run_label
 
 WANDB_MODES = ("auto", "off", "offline", "online")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -71,13 +73,26 @@ class RunConfig:
     device: str = "auto"
     out: str = "runs"
     wandb: str = "auto"
+    # Data tasks (`jsonl:PATH`, `hf:NAME[:CONFIG]:SPLIT`) only; validate() resolves them. There
+    # `samples` becomes the number of records in [offset, offset + limit): data is never cut short.
+    data_format: str | None = None  # kvpress, ruler or longbench; None or "auto": detected
+    metric: str | None = None  # a METRICS name; None: the format's own
+    limit: int | None = None  # None: every record from offset on
+    offset: int | None = None  # None: 0
+    data_sha256: str | None = None  # SHA-256 of the selected records, so an edited file is a new run
+    question_split: bool | None = None  # whether the data keeps the question apart from the context
 
     # Fields that cannot change a result: left out of the run id.
     _NOT_IN_ID = ("out", "wandb", "batch_size")
+    # Unset for registered tasks, and then left out of the id, so that their run ids stay what they were.
+    _DATA_FIELDS = ("data_format", "metric", "limit", "offset", "data_sha256", "question_split")
 
     def validate(self) -> "RunConfig":
         self.policy = POLICIES.canonical(self.policy)
-        self.task = TASKS.canonical(self.task)
+        if not is_data_task(self.task):
+            if self.task not in TASKS.names() and Path(self.task).is_file():
+                raise EvalkitError(f"unknown task {self.task!r}; for your data file use --task jsonl:{self.task}")
+            self.task = TASKS.canonical(self.task)
         self.budget = parse_budget(self.budget)
         _choice("granularity", self.granularity, GRANULARITIES, optional=True)
         _choice("layout", self.layout, LAYOUTS)
@@ -91,14 +106,35 @@ class RunConfig:
             raise EvalkitError(f"pool-pages must be >= 1, got {self.pool_pages}")
         if self.temperature < 0:
             raise EvalkitError(f"temperature must be >= 0, got {self.temperature}")
+        if is_data_task(self.task):
+            self._resolve_data()  # last: it reads the data, which the checks above need not wait for
+        else:
+            self._refuse_data_options()
         return self
 
+    def _resolve_data(self) -> None:
+        task = DataTask(self.task, self.data_format, self.metric, self.limit, self.offset, self.task_args)
+        self.task, self.data_format, self.metric = task.name, task.data_format, task.metric
+        self.offset, self.samples = task.indices.start, len(task.indices)
+        self.data_sha256, self.question_split = task.sha256, task.question_split
+
+    def _refuse_data_options(self) -> None:
+        if self.data_format == "auto":
+            self.data_format = None
+        for option, value in (("format", self.data_format), ("metric", self.metric), ("limit", self.limit),
+                              ("offset", self.offset)):
+            if value is not None:
+                raise EvalkitError(f"--{option} is for data tasks (jsonl:PATH, hf:NAME[:CONFIG]:SPLIT), "
+                                   f"not {self.task}")
+        self.data_sha256 = self.question_split = None
+
     def identity(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self._NOT_IN_ID}
+        left_out = self._NOT_IN_ID + (() if is_data_task(self.task) else self._DATA_FIELDS)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
 
     def run_id(self) -> str:
         digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
-        task = self.task.split(":")[-1]
+        task = run_label(self.task) if is_data_task(self.task) else self.task.split(":")[-1]
         return f"{task}-{self.policy}-{self.budget}-{digest}"
 
     def to_dict(self) -> dict:

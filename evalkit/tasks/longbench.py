@@ -159,19 +159,24 @@ def _hub_is_off() -> str | None:
     return None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a JSON Lines file, blank lines skipped; a bad line is refused with its number."""
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise EvalkitError(f"{path}:{number}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict):
-                raise EvalkitError(f"{path}:{number}: a LongBench record is a JSON object")
-            records.append(record)
+    # Lines are split as bytes: str.splitlines would also split at U+2028 inside a JSON string.
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise EvalkitError(f"{path}:{number}: not UTF-8 text") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise EvalkitError(f"{path}:{number}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise EvalkitError(f"{path}:{number}: a record is a JSON object, got {type(record).__name__}")
+        records.append(record)
     return records
 
 
@@ -184,7 +189,7 @@ def load_records(dataset: str, data_dir: str | os.PathLike | None = None) -> lis
         path = Path(folder) / f"{dataset}.jsonl"
         if not path.is_file():
             raise EvalkitError(f"LongBench {dataset}: no {path} (LongBench's data.zip unpacks to <name>.jsonl files)")
-        records, where = _read_jsonl(path), str(path)
+        records, where = read_jsonl(path), str(path)
     else:
         off = _hub_is_off()
         if off:
@@ -198,6 +203,11 @@ def load_records(dataset: str, data_dir: str | os.PathLike | None = None) -> lis
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise EvalkitError(f"LongBench {dataset}: cannot load {HUB_DATASET} from the hub ({reason}); "
                                f"point {DATA_DIR_ENV} at a folder of <name>.jsonl files") from None
+    return check_records(records, dataset, where)
+
+
+def check_records(records: list[dict], dataset: str, where: str) -> list[dict]:
+    """The records, refused with the place of the first that lacks a field `dataset` needs."""
     needed = ("input", "context", "answers", "all_classes") if DATASETS[dataset].metric == "classification" \
         else ("input", "context", "answers")
     for number, record in enumerate(records, 1):
@@ -240,14 +250,16 @@ class LongBenchTask(Task):
 
     source = SOURCE
 
-    def __init__(self, dataset: str, data_dir: str | os.PathLike | None = None):
+    def __init__(self, dataset: str, data_dir: str | os.PathLike | None = None, records: list[dict] | None = None):
+        """`records`, when given, are the dataset's records from elsewhere (a user's file), already
+        passed through `check_records`; otherwise they are loaded on first use."""
         if dataset not in DATASETS:
             raise EvalkitError(f"unknown LongBench dataset {dataset!r}; built: {', '.join(DATASETS)}")
         self.dataset, self.data_dir, self.spec = dataset, data_dir, DATASETS[dataset]
         self.name = f"longbench:{dataset}"
         self.description = f"LongBench {dataset}: {self.spec.description}"
         self.metric = self.spec.metric
-        self._records: list[dict] | None = None
+        self._records = records
 
     @property
     def records(self) -> list[dict]:
@@ -262,14 +274,11 @@ class LongBenchTask(Task):
         return self.records[-1].get("all_classes") if self.records else None
 
     def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
-        budget = length - self.spec.max_new_tokens
-        if budget <= 0:
-            raise EvalkitError(f"length {length} leaves no room for a prompt ({self.spec.max_new_tokens} new tokens)")
         records = self.records
         if n > len(records):
             raise EvalkitError(f"{self.name} has {len(records)} samples; {n} asked for")
         chosen = sorted(random.Random(seed).sample(range(len(records)), n))
-        return [self._fit(prompt_length, budget, index, records[index]) for index in chosen]
+        return [self.fit(prompt_length, length, index) for index in chosen]
 
     def score(self, prediction: str, references: list[str], meta: dict | None = None) -> float:
         """eval.py's score; `meta` (the sample's) may give all_classes, else the dataset's are used."""
@@ -280,8 +289,13 @@ class LongBenchTask(Task):
         all_classes = (meta or {}).get("all_classes") or self.all_classes
         return METRICS[self.metric](prediction, references, all_classes=all_classes)
 
-    def _fit(self, prompt_length: PromptLength, budget: int, index: int, record: dict) -> Sample:
-        build = functools.partial(self._sample, index, record)
+    def fit(self, prompt_length: PromptLength, length: int, index: int) -> Sample:
+        """Record `index` as a sample whose prompt plus answer fits `length` tokens, its context cut
+        in the middle when it is too long (see the module docstring)."""
+        budget = length - self.spec.max_new_tokens
+        if budget <= 0:
+            raise EvalkitError(f"length {length} leaves no room for a prompt ({self.spec.max_new_tokens} new tokens)")
+        build = functools.partial(self._sample, index, self.records[index])
         whole = build(None)
         tokens = prompt_length(whole)
         if tokens <= budget:

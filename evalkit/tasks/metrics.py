@@ -241,3 +241,15 @@ def code_sim(prediction: str, references: list[str]) -> float:
 
 METRICS.update(qa_f1=qa_f1, rouge_l=rouge_l, classification=classification, retrieval=retrieval,
                count=count, code_sim=code_sim)
+
+
+def exact(prediction: str, references: list[str]) -> float:
+    """SQuAD's exact match: 1 if the prediction equals one of the references once both are normalised
+    by `normalize_answer` (case, punctuation, articles and spacing ignored), else 0."""
+    if not references:
+        raise ValueError("exact match needs at least one reference")
+    answer = normalize_answer(prediction)
+    return float(any(answer == normalize_answer(reference) for reference in references))
+
+
+METRICS["exact"] = exact

@@ -1,0 +1,326 @@
+"""Data tasks: the user's JSONL files and datasets in kvpress's, RULER's and LongBench's formats."""
+
+import json
+import sys
+
+import pytest
+
+from evalkit.cli import main
+from evalkit.config import RunConfig
+from evalkit.errors import EvalkitError
+from evalkit.tasks.custom import RULER_MAX_NEW_TOKENS, DataTask, make_task
+from evalkit.tasks.longbench import LongBenchTask, load_records
+from evalkit.tasks.metrics import METRICS, exact, qa_f1, string_match_all
+
+KVPRESS = [
+    {"id": "code-a", "task": "codes", "context": "The code of the blue door is 4817. The weather was mild.",
+     "question": "What is the code of the blue door?", "answer_prefix": "The code of the blue door is",
+     "answers": "4817", "max_new_tokens": 8},
+    {"id": "code-b", "task": "codes", "context": "The code of the red door is 9052. Nothing else happened.",
+     "question": "What is the code of the red door?", "answer_prefix": "The code of the red door is",
+     "answers": ["9052"], "max_new_tokens": 8},
+    {"id": "city-a", "task": "cities", "context": "Anna moved to Lisbon in 2019 and has lived there since.",
+     "question": "Which city does Anna live in?", "answer_prefix": "Anna lives in", "answer": ["Lisbon"],
+     "max_new_tokens": 8},
+    {"id": "city-b", "task": "cities", "context": "Marco moved to Oslo in 2015 and has lived there since.",
+     "question": "Which city does Marco live in?", "answer_prefix": "Marco lives in", "answer": "Oslo",
+     "max_new_tokens": 8},
+]
+RULER = [  # RULER's prepare.py: the question is inside `input`, the answer prefix beside it
+    {"index": 7, "input": "A haystack. One of the special magic numbers for cat is: 123. More hay. What is the "
+     "special magic number for cat mentioned in the provided text?", "outputs": ["123"], "length": 40,
+     "length_w_model_temp": 52, "answer_prefix": " The special magic number for cat mentioned in the provided text is"},
+    {"index": 9, "input": "Hay. The special magic numbers for dog are: 4 and 5. What are all the special magic "
+     "numbers for dog?", "outputs": ["4", "5"], "length": 30, "answer_prefix": " The numbers are"},
+]
+
+
+def longbench_record(i, context="Ann lives in Paris. " * 3):
+    return {"input": f"Where does Ann live, {i}?", "context": context, "answers": [f"Paris {i}"],
+            "length": len(context.split()), "dataset": "hotpotqa", "language": "en", "all_classes": None,
+            "_id": f"hotpotqa-id-{i}"}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
+    return path
+
+
+def words(sample):
+    """A stand-in tokenizer: one token a word of the whole prompt."""
+    return len((sample.context + "\n" + sample.question + sample.answer_prefix).split())
+
+
+def task_of(path, **options):
+    return DataTask(f"jsonl:{path}", **options)
+
+
+def test_kvpress_records_keep_question_answer_prefix_ids_and_tasks(tmp_path):
+    task = task_of(write_jsonl(tmp_path / "kv.jsonl", KVPRESS))
+    assert (task.data_format, task.metric, task.question_split) == ("kvpress", "string_match_all", True)
+    samples = task.samples(words, 2048, 4, seed=0)
+    assert [s.id for s in samples] == ["code-a", "code-b", "city-a", "city-b"]
+    first = samples[0]
+    assert (first.context, first.question, first.answer_prefix) == (
+        KVPRESS[0]["context"], KVPRESS[0]["question"], KVPRESS[0]["answer_prefix"])
+    # `answers` or kvpress's `answer`, a string or a list: always a list of references.
+    assert [s.references for s in samples] == [["4817"], ["9052"], ["Lisbon"], ["Oslo"]]
+    assert [s.max_new_tokens for s in samples] == [8] * 4
+    assert [s.meta["task"] for s in samples] == ["codes", "codes", "cities", "cities"]
+
+
+def test_ruler_records_compress_the_whole_input(tmp_path):
+    task = task_of(write_jsonl(tmp_path / "niah.jsonl", RULER))
+    assert (task.data_format, task.question_split) == ("ruler", False)
+    samples = task.samples(words, 2048, 2, seed=0)
+    assert [s.id for s in samples] == ["7", "9"]  # RULER's index
+    assert [s.context for s in samples] == [r["input"] for r in RULER] and all(s.question == "" for s in samples)
+    assert [s.answer_prefix for s in samples] == [r["answer_prefix"] for r in RULER]
+    assert [s.references for s in samples] == [["123"], ["4", "5"]]
+    assert [s.meta["length"] for s in samples] == [40, 30]
+    assert all(s.max_new_tokens == RULER_MAX_NEW_TOKENS for s in samples)
+    shorter = task_of(tmp_path / "niah.jsonl", task_args={"max_new_tokens": "16"})
+    assert all(s.max_new_tokens == 16 for s in shorter.samples(words, 2048, 2, seed=0))
+    config = RunConfig(task=f"jsonl:{tmp_path / 'niah.jsonl'}").validate()
+    assert config.to_dict()["question_split"] is False and config.data_format == "ruler"
+
+
+def test_longbench_records_are_longbench_samples_cut_to_the_length(tmp_path):
+    records = [longbench_record(i) for i in range(3)]
+    records[2] = longbench_record(2, context="START " + "word " * 400 + "END")
+    folder = tmp_path / "longbench"
+    folder.mkdir()
+    write_jsonl(folder / "hotpotqa.jsonl", records)
+    task = task_of(folder / "hotpotqa.jsonl")
+    assert (task.data_format, task.metric, task.question_split) == ("longbench", "qa_f1", True)
+    reference = LongBenchTask("hotpotqa", records=load_records("hotpotqa", folder))
+    for length in (4096, 200):
+        samples = task.samples(words, length, 3, seed=0)
+        assert samples == [reference.fit(words, length, index) for index in range(3)]
+        assert [s.id for s in samples] == ["hotpotqa-0000", "hotpotqa-0001", "hotpotqa-0002"]
+    assert samples[2].meta["kept_chars"] < samples[2].meta["context_chars"]  # cut in the middle at 200 tokens
+    assert words(samples[2]) + samples[2].max_new_tokens <= 200
+    # LongBench's own metric, and another one on request.
+    assert task.score("Paris 0 it is", ["Paris 0"]) == qa_f1("Paris 0 it is", ["Paris 0"]) == pytest.approx(2 / 3)
+    assert task_of(folder / "hotpotqa.jsonl", metric="exact").score("the Paris 0.", ["Paris 0"]) == 1.0
+
+
+@pytest.mark.parametrize("metric, expected", [
+    (None, 0.5), ("string_match_all", 0.5), ("string_match_part", 1.0), ("exact", 0.0),
+    ("f1", qa_f1("It is 4817", ["4817", "9999"])), ("rouge_l", METRICS["rouge_l"]("It is 4817", ["4817", "9999"])),
+])
+def test_the_metric_is_chosen_from_the_task_metrics(tmp_path, metric, expected):
+    task = task_of(write_jsonl(tmp_path / "kv.jsonl", KVPRESS), metric=metric)
+    assert task.score("It is 4817", ["4817", "9999"]) == pytest.approx(expected)
+
+
+def test_exact_match_is_squad_exact_match():
+    assert exact("The Eiffel  tower!", ["eiffel tower"]) == 1.0
+    assert exact("Eiffel tower, Paris", ["eiffel tower", "paris"]) == 0.0
+    assert exact("Paris", ["London", "paris"]) == 1.0
+    with pytest.raises(ValueError):
+        exact("Paris", [])
+
+
+def test_limit_and_offset_select_a_slice_and_samples_follow_it(tmp_path):
+    path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
+    task = task_of(path, offset=1, limit=2)
+    assert [s.id for s in task.samples(words, 2048, 2, seed=0)] == ["code-b", "city-a"]
+    with pytest.raises(EvalkitError, match="2 records selected; 3 asked for"):
+        task.samples(words, 2048, 3, seed=0)
+    assert RunConfig(task=f"jsonl:{path}", offset=3, limit=5).validate().samples == 1
+    assert RunConfig(task=f"jsonl:{path}", samples=2).validate().samples == 4  # every record, not --samples'
+
+
+def test_ids_default_to_the_position_and_duplicates_are_refused(tmp_path):
+    anonymous = [{key: value for key, value in record.items() if key != "id"} for record in KVPRESS]
+    assert [s.id for s in task_of(write_jsonl(tmp_path / "a.jsonl", anonymous), offset=2)
+            .samples(words, 2048, 2, seed=0)] == ["2", "3"]
+    twice = [KVPRESS[0], KVPRESS[1], dict(KVPRESS[2], id="code-a")]
+    with pytest.raises(EvalkitError, match="records 1 and 3 have the same id 'code-a'"):
+        task_of(write_jsonl(tmp_path / "b.jsonl", twice))
+
+
+def test_samples_over_the_length_are_refused_not_cut(tmp_path):
+    task = task_of(write_jsonl(tmp_path / "niah.jsonl", RULER), task_args={"max_new_tokens": "10"})
+    needed = [words(s) + 10 for s in task.samples(words, 2048, 2, seed=0)]
+    assert task.samples(words, max(needed), 2, seed=0)
+    with pytest.raises(EvalkitError, match=rf"1 of 2 samples need more than --length {max(needed) - 1} tokens "
+                                           rf"\(prompt \+ max_new_tokens; sample 7 needs {max(needed)}\)"):
+        task.samples(words, max(needed) - 1, 2, seed=0)
+
+
+def test_the_run_id_follows_the_data_and_its_options(tmp_path):
+    path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
+
+    def run_id(**options):
+        return RunConfig(task=f"jsonl:{path}", **options).validate().run_id()
+
+    base = run_id()
+    assert base.startswith("kv-h2o_head-0.2-")
+    assert run_id(data_format="auto") == run_id(data_format="kvpress") == base  # the same run, said twice
+    assert run_id(metric="f1") == run_id(metric="qa_f1") != base
+    others = {run_id(metric="exact"), run_id(limit=2), run_id(offset=1), run_id(limit=2, offset=1),
+              run_id(task_args={"max_new_tokens": "4"})}
+    assert len(others) == 5 and base not in others
+    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in KVPRESS))  # other bytes, same records
+    assert run_id() == base
+    write_jsonl(path, [KVPRESS[0], KVPRESS[1], dict(KVPRESS[2], context="Anna moved to Porto."), KVPRESS[3]])
+    assert run_id() != base  # an edited record is a new run, not a finished one
+    assert run_id(limit=2) == RunConfig(task=f"jsonl:{path}", limit=2).validate().run_id()
+    copy = write_jsonl(tmp_path / "copy.jsonl", KVPRESS)
+    assert RunConfig(task=f"jsonl:{copy}").validate().run_id() != base  # another file
+
+
+def test_registered_tasks_keep_their_run_ids_free_of_data_options():
+    config = RunConfig().validate()
+    assert not set(RunConfig._DATA_FIELDS) & set(config.identity())
+    assert config.to_dict()["data_format"] is None and config.question_split is None
+
+
+def test_a_saved_dataset_and_a_data_folder_load_through_datasets(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    expected = task_of(write_jsonl(tmp_path / "kv.jsonl", KVPRESS)).samples(words, 2048, 4, seed=0)
+    rows = [{key: record.get(key) for key in ("id", "task", "context", "question", "answer_prefix", "max_new_tokens")}
+            | {"answers": record.get("answers", record.get("answer"))} for record in KVPRESS]
+    rows = [dict(row, answers=[row["answers"]] if isinstance(row["answers"], str) else row["answers"]) for row in rows]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved_dict"))
+    (tmp_path / "folder").mkdir()
+    write_jsonl(tmp_path / "folder" / "data.jsonl", rows)
+    for name in (f"hf:{tmp_path / 'saved'}:test", f"hf:{tmp_path / 'saved_dict'}:test",
+                 f"hf:{tmp_path / 'folder'}:train"):
+        task = DataTask(name)
+        assert task.data_format == "kvpress" and task.samples(words, 2048, 4, seed=0) == expected
+    config = RunConfig(task=f"hf:{tmp_path / 'saved_dict'}:test", limit=3).validate()
+    assert config.run_id().startswith("saved_dict-") and config.samples == 3
+    with pytest.raises(EvalkitError, match=r"no split 'train'; it has test"):
+        DataTask(f"hf:{tmp_path / 'saved_dict'}:train")
+    with pytest.raises(EvalkitError, match=r"cannot load the dataset \(Unknown split"):
+        DataTask(f"hf:{tmp_path / 'folder'}:validation")
+
+
+def test_make_task_builds_the_data_task_the_config_resolved(tmp_path):
+    path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
+    config = RunConfig(task=f"jsonl:{path}", metric="string_match_part", offset=2).validate()
+    task = make_task(config)
+    assert [s.id for s in task.samples(words, config.length, config.samples, config.seed)] == ["city-a", "city-b"]
+    assert task.metric == "string_match_part" and task.sha256 == config.data_sha256
+
+
+def evalkit(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["evalkit", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def bad_files(folder):
+    write_jsonl(folder / "kv.jsonl", KVPRESS)
+    (folder / "malformed.jsonl").write_text(json.dumps(KVPRESS[0]) + "\n\n" + '{"context": "c", "question":\n')
+    write_jsonl(folder / "no_question.jsonl", [KVPRESS[0], {k: v for k, v in KVPRESS[1].items() if k != "question"}])
+    write_jsonl(folder / "no_answers.jsonl", [{k: v for k, v in KVPRESS[0].items() if k != "answers"}])
+    write_jsonl(folder / "no_tokens.jsonl", [{k: v for k, v in KVPRESS[0].items() if k != "max_new_tokens"}])
+    write_jsonl(folder / "half_tasks.jsonl", [KVPRESS[0], {k: v for k, v in KVPRESS[1].items() if k != "task"}])
+    write_jsonl(folder / "unknown.jsonl", [{"prompt": "p", "target": "t"}])
+    write_jsonl(folder / "two_datasets.jsonl", [longbench_record(0), dict(longbench_record(1), dataset="trec")])
+    (folder / "empty.jsonl").write_text("\n\n")
+    (folder / "latin1.jsonl").write_bytes(json.dumps(KVPRESS[0]).encode() + b"\n" + b'{"context": "caf\xe9"}\n')
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--task", "jsonl:{dir}/missing.jsonl"], "no data file '{dir}/missing.jsonl'"),
+    (["--task", "jsonl:{dir}"], "is not a file"),
+    (["--task", "jsonl:{dir}/malformed.jsonl"], "malformed.jsonl:3: not JSON"),
+    (["--task", "jsonl:{dir}/latin1.jsonl"], "latin1.jsonl:2: not UTF-8 text"),
+    (["--task", "jsonl:{dir}/no_question.jsonl"], "record 2 lacks the column 'question'"),
+    (["--task", "jsonl:{dir}/no_answers.jsonl"], "record 1 lacks the column 'answers' (or kvpress's 'answer')"),
+    (["--task", "jsonl:{dir}/no_tokens.jsonl"], "lacks the column 'max_new_tokens' (or give --task-arg"),
+    (["--task", "jsonl:{dir}/half_tasks.jsonl"], "record 2 has no 'task' while others have one"),
+    (["--task", "jsonl:{dir}/empty.jsonl"], "empty.jsonl holds no records"),
+    (["--task", "jsonl:{dir}/unknown.jsonl"], "cannot tell the format from the columns of record 1 (prompt, target)"),
+    (["--task", "jsonl:{dir}/two_datasets.jsonl"], "records of several LongBench datasets (hotpotqa, trec)"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--format", "ruler"], "record 1 lacks the column 'input'"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--format", "csv"], "unknown format 'csv'; choose from auto, kvpress"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--metric", "bleu"], "unknown metric 'bleu'; choose from"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--metric", "classification"], "metric classification needs"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--offset", "4"], "offset 4 is past the end of"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--limit", "0"], "limit must be >= 1, got 0"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--samples", "2"], "--samples is not for data tasks"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--task-arg", "depth=3"], "data tasks take --task-arg max_new_tokens=N only"),
+    (["--task", "jsonl:{dir}/kv.jsonl", "--task-arg", "max_new_tokens=x"], "max_new_tokens must be an integer"),
+    (["--task", "{dir}/kv.jsonl"], "unknown task '{dir}/kv.jsonl'; for your data file use --task jsonl:{dir}/kv.jsonl"),
+    (["--metric", "exact"], "--metric is for data tasks (jsonl:PATH, hf:NAME[:CONFIG]:SPLIT), not ruler:"),
+    (["--limit", "3"], "--limit is for data tasks"),
+    (["--task", "hf:someone/no-such-data:test"], "hf:someone/no-such-data:test: cannot load the dataset"),
+    (["--task", "hf:only-a-name"], "a dataset task is hf:NAME[:CONFIG]:SPLIT, got 'hf:only-a-name'"),
+])
+def test_bad_data_is_one_line_and_exit_2_before_the_model_loads(monkeypatch, capsys, tmp_path, args, message):
+    from evalkit import runner
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("bad data must be refused before the model loads")
+
+    monkeypatch.setattr(runner, "load_model", no_model)
+    bad_files(tmp_path)
+    out = tmp_path / "runs"
+    args = [arg.format(dir=tmp_path) for arg in args]
+    code, _, err = evalkit(monkeypatch, capsys, "run", *args, "--out", str(out), "--wandb", "off")
+    assert code == 2
+    assert message.format(dir=tmp_path) in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def read_run(out):
+    (run_dir,) = out.iterdir()
+    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
+    return run_dir, records, json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_end_to_end_on_a_jsonl_file_with_sub_tasks(monkeypatch, capsys, tmp_path):
+    path = write_jsonl(tmp_path / "doors_and_cities.jsonl", KVPRESS)
+    out = tmp_path / "full"
+    code, stdout, _ = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{path}", "--policy", "full",
+                              "--budget", "1", "--out", str(out), "--wandb", "off")
+    assert code == 0, stdout
+    run_dir, records, metrics = read_run(out)
+    assert run_dir.name.startswith("doors_and_cities-full-1.0-")
+    assert [r["id"] for r in records] == [r["id"] for r in KVPRESS]
+    assert [r["references"] for r in records] == [["4817"], ["9052"], ["Lisbon"], ["Oslo"]]
+    for r in records:
+        assert r["score"] == string_match_all(r["prediction"], r["references"])
+    assert set(metrics["by_task"]) == {"codes", "cities"}
+    assert metrics["by_task"]["codes"] == (records[0]["score"] + records[1]["score"]) / 2
+    assert metrics["score"] == (metrics["by_task"]["codes"] + metrics["by_task"]["cities"]) / 2
+    # The default model reads every answer off its short context with the whole cache.
+    assert metrics["score"] == 1.0 and "cities" in stdout and "codes" in stdout
+    config = json.loads((run_dir / "config.json").read_text())["config"]
+    assert (config["data_format"], config["question_split"], config["samples"]) == ("kvpress", True, 4)
+
+    # A slice, compressed before the question is seen.
+    out = tmp_path / "agnostic"
+    code, _, _ = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{path}", "--policy", "snapkv_head",
+                         "--budget", "0.5", "--query-agnostic", "--offset", "1", "--limit", "2",
+                         "--out", str(out), "--wandb", "off")
+    assert code == 0
+    _, records, metrics = read_run(out)
+    assert [r["id"] for r in records] == ["code-b", "city-a"]
+    assert set(metrics["by_task"]) == {"codes", "cities"}
+    assert all(r["kept_tokens"] < r["prompt_tokens"] for r in records)
+
+
+def test_a_sample_over_the_length_is_refused_after_tokenising(monkeypatch, capsys, tmp_path):
+    path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
+    out = tmp_path / "runs"
+    code, _, err = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{path}", "--length", "40",
+                           "--out", str(out), "--wandb", "off")
+    assert code == 2 and "4 of 4 samples need more than --length 40 tokens" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
