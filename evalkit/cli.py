@@ -55,6 +55,8 @@ def run(
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     out_dir: str = typer.Option("runs", "--out", help="Results folder."),
     wandb: str = typer.Option("auto", help="auto (online only with credentials), off, offline, online."),
+    kernels: str = typer.Option("auto", help="Attention: auto (Triton kernels on CUDA, torch elsewhere), "
+                                             "triton (forced; on a CPU needs TRITON_INTERPRET=1), torch."),
 ):
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
     from evalkit.config import RunConfig, parse_task_args
@@ -69,8 +71,8 @@ def run(
                        layout=layout, block_size=block_size, granularity=granularity, prefill=prefill,
                        chunk_size=chunk_size, query_aware=query_aware, decode_eviction=decode_eviction,
                        temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
-                       dtype=dtype, device=device, out=out_dir, wandb=wandb, data_format=data_format,
-                       metric=metric, limit=limit, offset=offset)
+                       dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
+                       data_format=data_format, metric=metric, limit=limit, offset=offset)
     result = run_eval(config, err)
     _print_result(result)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
 from evalkit.errors import EvalkitError
+from evalkit.kernels import KERNEL_MODES
 from evalkit.policies import GRANULARITIES, POLICIES
 from evalkit.tasks import TASKS
 from evalkit.tasks.custom import DataTask, is_data_task, run_label
@@ -73,6 +74,7 @@ class RunConfig:
     device: str = "auto"
     out: str = "runs"
     wandb: str = "auto"
+    kernels: str = "auto"  # attention: auto (Triton on CUDA), triton, torch
     # Data tasks (`jsonl:PATH`, `hf:NAME[:CONFIG]:SPLIT`) only; validate() resolves them. There
     # `samples` becomes the number of records in [offset, offset + limit): data is never cut short.
     data_format: str | None = None  # kvpress, ruler or longbench; None or "auto": detected
@@ -83,7 +85,7 @@ class RunConfig:
     question_split: bool | None = None  # whether the data keeps the question apart from the context
 
     # Fields that cannot change a result: left out of the run id.
-    _NOT_IN_ID = ("out", "wandb", "batch_size")
+    _NOT_IN_ID = ("out", "wandb", "batch_size", "kernels")
     # Unset for registered tasks, and then left out of the id, so that their run ids stay what they were.
     _DATA_FIELDS = ("data_format", "metric", "limit", "offset", "data_sha256", "question_split")
 
@@ -99,6 +101,7 @@ class RunConfig:
         _choice("prefill", self.prefill, ("full", "chunked"))
         _choice("wandb", self.wandb, WANDB_MODES)
         _choice("dtype", self.dtype, DTYPES)
+        _choice("kernels", self.kernels, KERNEL_MODES)
         for name in ("block_size", "chunk_size", "samples", "length", "batch_size"):
             if getattr(self, name) < 1:
                 raise EvalkitError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

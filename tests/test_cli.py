@@ -40,6 +40,7 @@ def evalkit(monkeypatch, capsys, *args):
     (["--length", "9000"], "has 8192"),  # the default model's positions
     (["--length", "300", "--pool-pages", "4"], "KV page pool exhausted: asked for"),
     (["--task-arg", "depths"], "task-arg must be KEY=VALUE, got 'depths'"),
+    (["--kernels", "cuda"], "unknown kernels 'cuda'; choose from auto, triton, torch"),
     (["--task-arg", "depths=0,50"], "task ruler:niah_single_2 takes no --task-arg settings, got depths"),
 ])
 def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys, tmp_path, args, message):
