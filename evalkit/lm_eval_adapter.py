@@ -48,6 +48,7 @@ from evalkit.cache import LAYOUTS
 from evalkit.config import DTYPES, parse_budget
 from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
+from evalkit.kernels import KERNEL_MODES
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
 from evalkit.results import RunDir, package_versions, write_json_atomic
 from evalkit.tracking import log_run, resolve_wandb_mode
@@ -82,6 +83,7 @@ class AdapterConfig:
     max_length: int | None = None  # default: the model's positions
     add_bos_token: bool | None = None  # default: the tokenizer's own behaviour (as lm-eval's hf model)
     seed: int = 0
+    kernels: str = "auto"  # attention: auto (Triton on CUDA), triton, torch
 
     @classmethod
     def from_args(cls, **args) -> "AdapterConfig":
@@ -103,6 +105,7 @@ class AdapterConfig:
         _choice("layout", self.layout, LAYOUTS)
         _choice("prefill", self.prefill, ("full", "chunked"))
         _choice("dtype", self.dtype, DTYPES)
+        _choice("kernels", self.kernels, KERNEL_MODES)
         if isinstance(self.batch_size, str) and self.batch_size.strip().isdigit():
             self.batch_size = int(self.batch_size)
         if isinstance(self.batch_size, str):
@@ -247,7 +250,7 @@ class EvalkitLM(TemplateLM):
         return GenerationSettings(policy=self.policy, budget=c.budget, layout=c.layout, block_size=c.block_size,
                                   prefill=c.prefill, chunk_size=c.chunk_size, query_aware=c.query_aware,
                                   decode_eviction=c.decode_eviction, temperature=temperature, seed=c.seed,
-                                  pool_pages=c.pool_pages)
+                                  pool_pages=c.pool_pages, kernels=c.kernels)
 
     def _question_tokens(self, context: str, context_tokens: int) -> int:
         """Query-agnostic: how many trailing context tokens are the question (never compressed).

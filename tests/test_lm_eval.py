@@ -188,6 +188,7 @@ def test_small_budget_compresses_and_changes_the_numbers(sparse_cli_run, full_bu
     ("budget=0", "budget must be > 0"),
     ("polcy=h2o_head", "unknown model arg 'polcy'.*did you mean 'policy'"),
     ("layout=sparse", "unknown layout 'sparse'"),
+    ("kernels=cuda", "unknown kernels 'cuda'"),
     ("batch_size=auto", "batch_size must be an integer"),
 ])
 def test_bad_model_args_fail_before_any_model_is_loaded(monkeypatch, task_dir, args, message):
