@@ -4,7 +4,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: setup run test bench clean
+.PHONY: setup browser run test bench clean
 
 setup: $(STAMP)
 
@@ -15,14 +15,26 @@ $(STAMP): requirements.txt constraints.txt pyproject.toml
 	$(PIP) install -q -c constraints.txt --no-deps -e .
 	touch $(STAMP)
 
+# The report test drives a real headless Chromium (Debian's chromium + chromium-driver). Installed here
+# when missing and apt-get is usable as root; otherwise say why that one test will skip.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver for the browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+		|| echo "could not install chromium with apt-get: the browser test will skip"; \
+	else \
+		echo "chromium/chromedriver not found and apt-get needs root: the browser test will skip"; \
+	fi
+
 run: setup
 	$(OFFLINE) $(VENV)/bin/evalkit run --policy h2o_head --budget 0.2
 
-test: setup
+test: setup browser
 	$(OFFLINE) $(VENV)/bin/pytest -q
 
 bench: setup
 	$(OFFLINE) $(VENV)/bin/python scripts/bench_loop.py
 
 clean:
-	rm -rf $(VENV) runs wandb .pytest_cache .hypothesis
+	rm -rf $(VENV) runs wandb report .pytest_cache .hypothesis

@@ -1,9 +1,433 @@
-"""`evalkit report`."""
+"""`evalkit report`: a self-contained HTML leaderboard with plots, read from the results store only.
+
+Runs are compared within a *setting* (task, length, samples, model, seed, temperature, dtype,
+task settings: everything that makes the prompts and the reference answers), along a
+*series* (the policy plus any way of running it that differs across the runs: granularity,
+layout, block size, prefill, query-aware, decode eviction, page pool). Each run's full-cache
+reference is the `full` run of its setting that shares the most of those ways of running.
+
+Area under the quality-vs-budget curve (the headline number): with x the budget as a fraction
+of the prompt (a token budget counts as budget / mean prompt tokens, at most 1) and y the
+score, the trapezoid integral of the series' points over [x_lo, 1] divided by (1 - x_lo),
+where x_lo is the smallest budget any series of the setting was run at. A series without a
+run at budget 1 ends at the full-cache score there (budget 1 keeps every token). So the AUC
+is the mean score over the budget range, in score units; a series with no run at x_lo gets
+none, since its area would not be comparable.
+"""
 
 from __future__ import annotations
 
+import base64
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import typer
+
+# Config fields that cannot change a result, and those that say how a policy was run (a series).
+_IGNORED = ("out", "wandb", "batch_size", "device", "kernels")
+_VARIANT = ("granularity", "layout", "block_size", "prefill", "chunk_size", "query_aware", "decode_eviction",
+            "pool_pages")
+_CURVE = ("policy", "budget")
+_PREDICTIONS_SHOWN = 20
+_MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
+_GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "heatmap-*.png")
 
 
 def register(app: typer.Typer) -> None:
     """Adds `evalkit report` to the command line."""
+    app.command("report")(report)
+
+
+def report(
+    runs: Path = typer.Argument(Path("runs"), help="Results folder to read."),
+    output: Path = typer.Option(Path("report"), "-o", "--output", help="Folder for index.html, PNGs and CSV."),
+):
+    """Leaderboard and plots (quality vs budget, memory vs quality, NIAH heatmaps) as one offline HTML page."""
+    from rich.console import Console
+
+    written = build_report(runs, output)
+    console = Console(soft_wrap=True, highlight=False)
+    console.print(f"report: {written.index}")
+    console.print(f"{written.runs} runs, {written.plots} plots, {written.heatmaps} heatmaps; "
+                  "leaderboard.csv and PNG copies of the plots beside it")
+    for reason in written.skipped:
+        console.print(f"left out: {reason}")
+
+
+# ---- numbers ----------------------------------------------------------------------------------------------
+
+def budget_fraction(budget: float | int, metrics: dict) -> float:
+    """The budget as a fraction of the prompt: a fraction as is, a token count over the mean prompt."""
+    if budget <= 1:
+        return float(budget)
+    return min(1.0, budget / max(1.0, metrics.get("prompt_tokens") or 1.0))
+
+
+def quality_auc(points: list[tuple[float, float]], start: float, full_score: float | None) -> float | None:
+    """Normalised area under (budget fraction, score) over [start, 1]; see the module docstring."""
+    points = sorted(points)
+    if full_score is not None and not any(math.isclose(x, 1.0) for x, _ in points):
+        points.append((1.0, full_score))
+    if not points or not math.isclose(points[0][0], start) or not math.isclose(points[-1][0], 1.0):
+        return None
+    if math.isclose(start, 1.0):
+        return points[-1][1]
+    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(points, points[1:]))
+    return area / (1.0 - start)
+
+
+# ---- reading the store --------------------------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    """One complete run with a score, placed in its setting and series."""
+
+    run_id: str
+    folder: Path
+    config: dict
+    metrics: dict
+    setting: str = ""  # label of the comparable group
+    series: str = ""  # label of the policy line within it
+    baseline: dict | None = None  # metrics of the full-cache reference
+    auc: float | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.config.get("policy") == "full"
+
+    @property
+    def x(self) -> float:
+        return budget_fraction(self.config["budget"], self.metrics)
+
+    def relative(self, value: float | None) -> float | None:
+        base = self.baseline["score"] if self.baseline else None
+        return value / base if value is not None and base else None
+
+
+def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
+    """Complete runs with a score under `runs`, and why others were left out."""
+    entries, skipped = [], []
+    for metrics_path in sorted(Path(runs).glob("*/metrics.json")):
+        folder = metrics_path.parent
+        try:
+            provenance = json.loads((folder / "config.json").read_text())
+            metrics = json.loads(metrics_path.read_text())
+        except (OSError, ValueError) as error:
+            skipped.append(f"{folder.name}: unreadable ({type(error).__name__})")
+            continue
+        config = provenance.get("config") if isinstance(provenance, dict) else None
+        if not isinstance(config, dict) or not isinstance(config.get("budget"), (int, float)) \
+                or "policy" not in config or not isinstance(metrics.get("score"), (int, float)):
+            skipped.append(f"{folder.name}: no policy, budget and score (an lm-eval run?)")
+            continue
+        entries.append(Entry(str(provenance.get("run_id", folder.name)), folder, config, metrics))
+    _place(entries)
+    return entries, skipped
+
+
+def _key(config: dict, names) -> str:
+    return json.dumps({k: config.get(k) for k in names}, sort_keys=True, default=str)
+
+
+def _place(entries: list[Entry]) -> None:
+    """Setting and series labels, full-cache references and AUCs."""
+    every = sorted({k for e in entries for k in e.config} - set(_IGNORED) - set(_VARIANT) - set(_CURVE))
+    setting_keys = [k for k in every if k not in ("task", "length")]
+    def varies(key):
+        return len({json.dumps(e.config.get(key), default=str) for e in entries}) > 1
+
+    varying_setting = [k for k in setting_keys if varies(k)]
+    varying_variant = [k for k in _VARIANT if varies(k)]
+
+    def label(config, keys):
+        return ", ".join(f"{k}={_text(config.get(k))}" for k in keys)
+
+    for e in entries:
+        extra = label(e.config, varying_setting)
+        e.setting = f"{e.config.get('task')} @ {e.config.get('length')}" + (f" ({extra})" if extra else "")
+        variant = label(e.config, varying_variant)
+        e.series = str(e.config["policy"]) + (f" ({variant})" if variant else "")
+
+    by_setting: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_setting.setdefault(_key(e.config, ["task", "length", *setting_keys]), []).append(e)
+    for group in by_setting.values():
+        fulls = sorted((e for e in group if e.is_full), key=lambda e: e.run_id)
+        for e in group:
+            if fulls:  # the full run that ran most like this one
+                best = max(fulls, key=lambda f: sum(f.config.get(k) == e.config.get(k) for k in _VARIANT))
+                e.baseline = best.metrics
+        policies = [e for e in group if not e.is_full]
+        start = min((e.x for e in policies), default=1.0)
+        for series in {e.series for e in policies}:
+            members = [e for e in policies if e.series == series]
+            full = members[0].baseline["score"] if members[0].baseline else None
+            auc = quality_auc([(e.x, e.metrics["score"]) for e in members], start, full)
+            for e in members:
+                e.auc = auc
+        for e in group:
+            if e.is_full:
+                e.auc = e.metrics["score"]  # the reference's curve is flat at its own score
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+# ---- writing -------------------------------------------------------------------------------------------------
+
+COLUMNS = [  # (heading, key in a row, display format); the AUC is the headline, first of the numbers
+    ("task", "setting", "text"), ("policy", "series", "text"), ("budget", "budget", "budget"),
+    ("AUC %", "auc", "pct"), ("AUC / full", "relative_auc", "pct"), ("score %", "score", "pct"),
+    ("score / full", "relative_score", "pct"), ("KV held MiB", "mib_held", "num1"),
+    ("KV held / full", "held_over_full", "pct"), ("prefill tok/s", "prefill_tokens_per_s", "num0"),
+    ("decode tok/s", "decode_tokens_per_s", "num1"), ("samples", "samples", "num0"), ("run", "run_id", "text"),
+]
+
+
+def leaderboard_rows(entries: list[Entry]) -> list[dict]:
+    rows = []
+    for e in entries:
+        m = e.metrics
+        rows.append({
+            "setting": e.setting, "task": e.config.get("task"), "length": e.config.get("length"),
+            "series": e.series, "policy": e.config["policy"], "budget": e.config["budget"], "budget_fraction": e.x,
+            "auc": e.auc, "relative_auc": e.relative(e.auc), "score": m["score"],
+            "relative_score": e.relative(m["score"]), "full_cache_score": e.baseline["score"] if e.baseline else None,
+            "bytes_held": m.get("bytes_held"), "mib_held": m["bytes_held"] / 2**20 if "bytes_held" in m else None,
+            "held_over_full": m.get("held_over_full"), "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
+            "decode_tokens_per_s": m.get("decode_tokens_per_s"), "samples": m.get("samples"), "run_id": e.run_id,
+        })
+    return sorted(rows, key=lambda r: (r["setting"], -(r["auc"] if r["auc"] is not None else -1), r["series"],
+                                       r["budget_fraction"]))
+
+
+def _display(value, kind: str) -> tuple[str, str]:
+    """(text shown, value sorted on): numbers sort numerically, a missing value shows as a dash."""
+    if value is None:
+        return "—", ""
+    if kind == "text":
+        return str(value), str(value)
+    if kind == "pct":
+        return f"{100 * value:.1f}", repr(float(value))
+    if kind == "budget":
+        return str(value), repr(float(value))
+    digits = {"num0": 0, "num1": 1}[kind]
+    return f"{value:.{digits}f}", repr(float(value))
+
+
+@dataclass
+class Written:
+    index: Path
+    runs: int
+    plots: int
+    heatmaps: int
+    skipped: list[str] = field(default_factory=list)
+
+
+def build_report(runs: Path, output: Path) -> Written:
+    """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv."""
+    from importlib.resources import files
+
+    import jinja2
+    import plotly.offline
+    from markupsafe import Markup
+
+    from evalkit.errors import EvalkitError
+
+    if not Path(runs).is_dir():
+        raise EvalkitError(f"no results folder {str(runs)!r}")
+    entries, skipped = load_entries(runs)
+    if not entries:
+        raise EvalkitError(f"no complete runs with a score under {str(runs)!r}")
+    output.mkdir(parents=True, exist_ok=True)
+    for pattern in _GENERATED:  # a previous report's plots of settings no longer present
+        for stale in output.glob(pattern):
+            stale.unlink()
+
+    rows = leaderboard_rows(entries)
+    _write_csv(rows, output / "leaderboard.csv")
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    plots = []
+    for number, setting in enumerate(settings, 1):
+        group = [e for e in entries if e.setting == setting]
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", setting).strip("-")[:60]
+        for name, interactive, static in (("quality-vs-budget", _quality_plotly, _quality_png),
+                                          ("memory-vs-quality", _memory_plotly, _memory_png)):
+            png = output / f"{name}-{number}-{slug}.png"
+            static(group, setting, png)
+            plots.append({"setting": setting, "png": png.name,
+                          "html": Markup(interactive(group, setting, f"plot-{name}-{number}"))})
+    heatmaps = []
+    for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x)):
+        source = e.folder / "heatmap.png"
+        if source.is_file():
+            data = source.read_bytes()
+            (output / f"heatmap-{e.folder.name}.png").write_bytes(data)
+            heatmaps.append({"caption": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id,
+                             "data": base64.b64encode(data).decode()})
+
+    table = [[_display(row[key], kind) for _, key, kind in COLUMNS] for row in rows]
+    template = (files("evalkit") / "report_assets" / "index.html.j2").read_text()
+    html = jinja2.Environment(autoescape=True).from_string(template).render(
+        columns=[heading for heading, _, _ in COLUMNS], table=table, plots=plots, heatmaps=heatmaps,
+        predictions=[_predictions(e) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],
+        runs=str(runs), skipped=skipped, plotly_js=Markup(plotly.offline.get_plotlyjs()),
+        auc_definition=_AUC_DEFINITION)
+    index = output / "index.html"
+    index.write_text(html)
+    return Written(index, len(entries), len(plots), len(heatmaps), skipped)
+
+
+_AUC_DEFINITION = (
+    "AUC: the area under a policy's quality-vs-budget curve (budget as a fraction of the prompt; a token budget "
+    "counts as budget / mean prompt tokens), trapezoids over [lowest budget of the task, 1], divided by the width "
+    "of that range, so it is the policy's mean score over the budgets. A policy without a run at budget 1 ends at "
+    "the full-cache score there; a policy not run at the task's lowest budget has no AUC. AUC / full divides by "
+    "the full-cache score.")
+
+
+def _predictions(e: Entry) -> dict:
+    shown = []
+    path = e.folder / "predictions.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if len(shown) == _PREDICTIONS_SHOWN:
+                break
+            try:
+                record = json.loads(line)
+            except ValueError:  # a torn last line of a run being written
+                continue
+            shown.append({"id": _text(record.get("id")), "score": _display(record.get("score"), "pct")[0],
+                          "prediction": str(record.get("prediction", "")),
+                          "references": _text(record.get("references"))})
+    return {"title": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id, "records": shown,
+            "samples": e.metrics.get("samples")}
+
+
+def _write_csv(rows: list[dict], path: Path) -> None:
+    columns = ["task", "length", "setting", "policy", "series", "budget", "budget_fraction", "auc", "relative_auc",
+               "score", "relative_score", "full_cache_score", "bytes_held", "held_over_full",
+               "prefill_tokens_per_s", "decode_tokens_per_s", "samples", "run_id"]
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ---- plots: plotly in the page, matplotlib PNG copies -----------------------------------------------------
+
+def _lines(group: list[Entry], needs: tuple[str, ...] = ()) -> dict[str, list[Entry]]:
+    """Entries of each non-full series that have the metrics `needs`, ordered by budget."""
+    lines: dict[str, list[Entry]] = {}
+    for e in sorted(group, key=lambda e: (e.series, e.x)):
+        if not e.is_full and all(isinstance(e.metrics.get(k), (int, float)) for k in needs):
+            lines.setdefault(e.series, []).append(e)
+    return lines
+
+
+def _full_score(group: list[Entry]) -> float | None:
+    fulls = [e for e in group if e.is_full]
+    return fulls[0].metrics["score"] if fulls else None
+
+
+def _plotly_label(text: str) -> str:
+    """Plotly reads labels as a small subset of HTML; escape so names are shown, never interpreted."""
+    import html
+
+    return html.escape(text, quote=False)  # plotly decodes &lt; &gt; &amp; but shows &quot; as is
+
+
+def _quality_plotly(group, setting, div_id) -> str:
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    for series, members in _lines(group).items():
+        figure.add_trace(go.Scatter(
+            x=[e.x for e in members], y=[100 * e.metrics["score"] for e in members], mode="lines+markers",
+            name=_plotly_label(series), customdata=[[_plotly_label(e.run_id), e.config["budget"]] for e in members],
+            hovertemplate="budget %{customdata[1]}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
+    full = _full_score(group)
+    if full is not None:
+        figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
+    figure.update_layout(title=_plotly_label(f"Quality vs budget: {setting}"),
+                         xaxis_title="budget (fraction of the prompt kept)",
+                         yaxis_title="score (%)", yaxis_range=[-3, 103], xaxis_range=[0, 1.02],
+                         template="plotly_white", height=420, showlegend=True)
+    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
+
+
+def _memory_plotly(group, setting, div_id) -> str:
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    for series, members in _lines(group, _MEMORY).items():
+        members = sorted(members, key=lambda e: e.metrics["held_over_full"])
+        figure.add_trace(go.Scatter(
+            x=[100 * e.metrics["held_over_full"] for e in members], y=[100 * e.metrics["score"] for e in members],
+            mode="lines+markers", name=_plotly_label(series),
+            customdata=[[e.config["budget"], e.metrics["bytes_held"] / 2**20] for e in members],
+            hovertemplate="budget %{customdata[0]}<br>KV held %{customdata[1]:.1f} MiB (%{x:.1f}% of full)"
+                          "<br>score %{y:.1f}%<extra></extra>"))
+    for e in group:
+        if e.is_full and "held_over_full" in e.metrics:
+            figure.add_trace(go.Scatter(x=[100 * e.metrics["held_over_full"]], y=[100 * e.metrics["score"]],
+                                        mode="markers", name="full cache", marker={"symbol": "star", "size": 12,
+                                                                                   "color": "gray"}))
+            break
+    figure.update_layout(title=_plotly_label(f"Memory vs quality: {setting}"),
+                         xaxis_title="KV cache held (% of the full cache)",
+                         yaxis_title="score (%)", yaxis_range=[-3, 103], template="plotly_white", height=420,
+                         showlegend=True)
+    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
+
+
+def _png_axes(title: str):
+    from matplotlib.figure import Figure
+
+    import matplotlib
+
+    figure = Figure(figsize=(8, 4.2), dpi=110)  # no pyplot: no global figure state, no GUI backend
+    axes = figure.add_subplot()
+    axes.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)  # distinct colours for up to 20 policies
+    axes.set_title(title, fontsize=10)
+    axes.set_ylim(-3, 103)
+    axes.grid(alpha=0.3)
+    return figure, axes
+
+
+def _save_png(figure, axes, path: Path) -> None:
+    axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    figure.savefig(path, bbox_inches="tight")
+
+
+def _quality_png(group, setting, path: Path) -> None:
+    figure, axes = _png_axes(f"Quality vs budget: {setting}")
+    for series, members in _lines(group).items():
+        axes.plot([e.x for e in members], [100 * e.metrics["score"] for e in members], marker="o", label=series)
+    full = _full_score(group)
+    if full is not None:
+        axes.axhline(100 * full, color="gray", linestyle="--", label="full cache")
+    axes.set_xlim(0, 1.02)
+    axes.set_xlabel("budget (fraction of the prompt kept)")
+    axes.set_ylabel("score (%)")
+    _save_png(figure, axes, path)
+
+
+def _memory_png(group, setting, path: Path) -> None:
+    figure, axes = _png_axes(f"Memory vs quality: {setting}")
+    for series, members in _lines(group, _MEMORY).items():
+        members = sorted(members, key=lambda e: e.metrics["held_over_full"])
+        axes.plot([100 * e.metrics["held_over_full"] for e in members], [100 * e.metrics["score"] for e in members],
+                  marker="o", label=series)
+    fulls = [e for e in group if e.is_full and "held_over_full" in e.metrics]
+    if fulls:
+        axes.plot([100 * fulls[0].metrics["held_over_full"]], [100 * fulls[0].metrics["score"]], marker="*",
+                  markersize=12, color="gray", linestyle="none", label="full cache")
+    axes.set_xlabel("KV cache held (% of the full cache)")
+    axes.set_ylabel("score (%)")
+    _save_png(figure, axes, path)

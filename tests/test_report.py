@@ -1,0 +1,247 @@
+"""`evalkit report`: the AUC by hand, the report of the killed-and-resumed sweep (CSV, PNGs, HTML) opened
+in headless Chromium with the network off, and hostile strings from run folders kept inert."""
+
+import base64
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from evalkit.report import budget_fraction, build_report, quality_auc
+from test_sweep import BUDGETS, POLICIES, evalkit, run_folders, swept  # noqa: F401 (swept is a fixture)
+
+
+# ---- the headline number ------------------------------------------------------------------------------------
+
+def test_auc_is_the_mean_score_over_the_budget_range():
+    # Trapezoids 0.25 -> 0.5 -> 1 (anchored at the full-cache score 1.0), over a width of 0.75.
+    assert quality_auc([(0.5, 0.75), (0.25, 0.5)], 0.25, 1.0) == pytest.approx((0.25 * 0.625 + 0.5 * 0.875) / 0.75)
+    # A run at budget 1 is used instead of the anchor.
+    assert quality_auc([(0.25, 0.5), (1.0, 0.5)], 0.25, 1.0) == pytest.approx(0.5)
+    assert quality_auc([(0.5, 0.8)], 0.25, 1.0) is None  # not run at the setting's lowest budget
+    assert quality_auc([(0.25, 0.8)], 0.25, None) is None  # no point at budget 1 and no full cache
+    assert quality_auc([], 1.0, 0.9) == pytest.approx(0.9)
+    assert budget_fraction(0.2, {}) == 0.2
+    assert budget_fraction(100, {"prompt_tokens": 400.0}) == 0.25
+    assert budget_fraction(1000, {"prompt_tokens": 400.0}) == 1.0
+
+
+# ---- the sweep's report -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sweep_report(swept, tmp_path_factory):
+    output = tmp_path_factory.getbasetemp() / "sweep-report"
+    if not (output / "index.html").exists():
+        build_report(swept["out"], output)
+    return swept["out"], output
+
+
+def test_report_of_the_sweep_has_every_run_its_numbers_and_plots(sweep_report):
+    runs, output = sweep_report
+    folders = run_folders(runs)
+    metrics = {n: json.loads((f / "metrics.json").read_text()) for n, f in folders.items()}
+    rows = list(csv.DictReader((output / "leaderboard.csv").open()))
+    assert {r["run_id"] for r in rows} == set(folders)
+    full = next(m for n, m in metrics.items() if "-full-" in n)["score"]
+    for row in rows:
+        m = metrics[row["run_id"]]
+        assert float(row["score"]) == pytest.approx(m["score"])
+        assert float(row["held_over_full"]) == pytest.approx(m["held_over_full"])
+        assert float(row["decode_tokens_per_s"]) == pytest.approx(m["decode_tokens_per_s"])
+        if full:
+            assert float(row["relative_score"]) == pytest.approx(m["score"] / full)
+    for policy in POLICIES:  # AUC: trapezoids 0.1 -> 0.3 -> 0.5 -> (1, full cache), width 0.9
+        mine = {float(r["budget"]): r for r in rows if r["policy"] == policy}
+        s = [float(mine[b]["score"]) for b in BUDGETS]
+        expected = (0.2 * (s[0] + s[1]) / 2 + 0.2 * (s[1] + s[2]) / 2 + 0.5 * (s[2] + full) / 2) / 0.9
+        assert all(float(r["auc"]) == pytest.approx(expected) for r in mine.values())
+
+    from matplotlib.image import imread
+
+    pngs = sorted(output.glob("*.png"))
+    assert [p.name.split("-1-")[0] for p in pngs] == ["memory-vs-quality", "quality-vs-budget"]
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = imread(png).shape
+        assert width > 400 and height > 200
+
+    html = (output / "index.html").read_text()
+    assert _fetched(html) == set()  # nothing to fetch: the page works offline
+    assert html.count('class="plotly-graph-div"') == 2
+    assert all(name in html for name in folders)
+
+
+def _fetched(html: str) -> set[str]:
+    """Addresses the page's elements would load (script src, link href, img src, ...), data: URIs aside."""
+    from html.parser import HTMLParser
+
+    found = set()
+
+    class Parser(HTMLParser):  # script bodies are raw text to it: URLs inside plotly.js are not elements
+        def handle_starttag(self, tag, attrs):
+            for name, value in attrs:
+                if name in ("src", "href") and value and not value.startswith("data:") and "://" in value:
+                    found.add(value)
+
+    Parser().feed(html)
+    return found
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium through Selenium, with the browser's console log readable."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        pytest.skip("Chromium and chromedriver are not installed: `make test` installs Debian's chromium and "
+                    "chromium-driver when apt-get is usable as root")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.execute_cdp_cmd("Network.enable", {})  # no network at all: the page must carry everything
+    driver.execute_cdp_cmd("Network.emulateNetworkConditions", {"offline": True, "latency": 0,
+                                                                "downloadThroughput": -1, "uploadThroughput": -1})
+    yield driver
+    driver.quit()
+
+
+def _errors(driver) -> list:
+    return [entry for entry in driver.get_log("browser") if entry["level"] in ("SEVERE", "WARNING")]
+
+
+def _column(driver, heading: str) -> list[str]:
+    return driver.execute_script(
+        "var table = document.getElementById('leaderboard');"
+        "var index = Array.prototype.findIndex.call(table.tHead.rows[0].cells,"
+        "                                           c => c.textContent.trim() === arguments[0]);"
+        "return Array.prototype.map.call(table.tBodies[0].rows, r => r.cells[index].dataset.value);", heading)
+
+
+def test_report_in_chromium_renders_plots_and_sorts(sweep_report, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    _, output = sweep_report
+    browser.get((output / "index.html").as_uri())
+    assert _errors(browser) == []
+    # Plotly ran from the inlined bundle: two figures drawn as SVG.
+    assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length") >= 2
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#leaderboard tbody tr")) == 10
+
+    header = browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='score %']")
+    header.click()
+    ascending = [float(v) for v in _column(browser, "score %")]
+    assert ascending == sorted(ascending) and header.get_attribute("aria-sort") == "ascending"
+    header.click()
+    descending = [float(v) for v in _column(browser, "score %")]
+    assert descending == sorted(ascending, reverse=True)
+    browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='policy']").click()
+    policies = _column(browser, "policy")
+    assert policies == sorted(policies) and policies[0] == "full"
+    browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='KV held MiB']").click()
+    held = [float(v) for v in _column(browser, "KV held MiB")]
+    assert held == sorted(held) and held[0] < held[-1]
+    assert _errors(browser) == []
+
+    screenshot = tmp_path / "report.png"
+    assert browser.save_screenshot(str(screenshot))
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- hand-written run folders: hostile strings, heatmaps, runs that are not leaderboard runs ----------------
+
+HOSTILE_POLICY = "<script>window.pwned = 1</script>"
+HOSTILE_TASK = "<img src=x onerror=\"window.pwned = 2\">"
+HOSTILE_PREDICTION = "</td></tr></table><script>window.pwned = 3</script>"
+
+
+def _write_run(runs: Path, name: str, config: dict, metrics: dict, predictions: list[dict]) -> Path:
+    folder = runs / name
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"config": config, "run_id": name}))
+    (folder / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in predictions))
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    return folder
+
+
+def _metrics(score: float, held: float) -> dict:
+    return {"samples": 1, "score": score, "held_over_full": held, "bytes_held": held * 2**22, "bytes_full": 2**22,
+            "kept_tokens": 100 * held, "prompt_tokens": 100, "prefill_tokens_per_s": 500.0,
+            "decode_tokens_per_s": 10.0}
+
+
+@pytest.fixture
+def hostile_runs(tmp_path) -> Path:
+    from matplotlib.figure import Figure
+
+    runs = tmp_path / "runs"
+    base = {"task": HOSTILE_TASK, "length": 512, "samples": 1, "model": "m", "seed": 0}
+    record = {"id": "<b>0</b>", "score": 0.0, "prediction": HOSTILE_PREDICTION, "references": ["\"x\" & <y>"]}
+    _write_run(runs, "full", {**base, "policy": "full", "budget": 1.0}, _metrics(1.0, 1.0), [record])
+    for budget, score in ((0.25, 0.5), (0.5, 0.75)):
+        _write_run(runs, f"hostile-{budget}", {**base, "policy": HOSTILE_POLICY, "budget": budget},
+                   _metrics(score, budget), [record])
+    figure = Figure(figsize=(2, 2))
+    figure.add_subplot().imshow([[0, 1], [1, 0]])
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    (runs / "hostile-0.25" / "heatmap.png").write_bytes(buffer.getvalue())
+    _write_run(runs, "lm_eval-arc", {"task": "lm_eval:arc_easy", "policy": "h2o_head"},
+               {"arc_easy/acc,none": 0.5}, [])
+    (runs / "half-done").mkdir()  # a partial run: config and predictions, no metrics.json
+    (runs / "half-done" / "config.json").write_text(json.dumps({"config": {**base, "policy": "x", "budget": 0.1}}))
+    return runs
+
+
+def test_hostile_strings_are_escaped_and_heatmaps_embedded(hostile_runs, tmp_path):
+    output = tmp_path / "report"
+    written = build_report(hostile_runs, output)
+    html = (output / "index.html").read_text()
+    for payload in (HOSTILE_POLICY, HOSTILE_TASK, HOSTILE_PREDICTION, "<b>0</b>", "<y>"):
+        assert payload not in html
+    assert "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in html  # shown, as text
+    assert "&lt;/td&gt;&lt;/tr&gt;&lt;/table&gt;&lt;script&gt;window.pwned = 3" in html
+    assert written.runs == 3 and written.heatmaps == 1
+    assert any("lm_eval-arc" in reason for reason in written.skipped)
+    heatmap = (hostile_runs / "hostile-0.25" / "heatmap.png").read_bytes()
+    assert base64.b64encode(heatmap).decode() in html
+    assert (output / "heatmap-hostile-0.25.png").read_bytes() == heatmap
+    (row,) = [r for r in csv.DictReader((output / "leaderboard.csv").open()) if r["budget"] == "0.25"]
+    assert row["policy"] == HOSTILE_POLICY and row["task"] == HOSTILE_TASK  # the CSV keeps the raw text
+    assert float(row["auc"]) == pytest.approx((0.25 * 0.625 + 0.5 * 0.875) / 0.75)
+
+
+def test_hostile_page_runs_no_injected_script_in_chromium(hostile_runs, browser, tmp_path):
+    build_report(hostile_runs, tmp_path / "report")
+    browser.get((tmp_path / "report" / "index.html").as_uri())
+    assert browser.execute_script("return typeof window.pwned") == "undefined"
+    assert _errors(browser) == []
+    assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot').length") == 2
+    text = browser.execute_script("return document.getElementById('leaderboard').innerText")
+    assert HOSTILE_POLICY in text  # the name is displayed as the literal text it is
+    assert browser.execute_script("return document.querySelector('figure img').naturalWidth") > 0  # heatmap decoded
+    browser.save_screenshot(str(tmp_path / "hostile.png"))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: root / "nowhere", "no results folder"),
+    (lambda root: root, "no complete runs with a score under"),
+])
+def test_report_bad_input_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path, make, message):
+    code, _, err = evalkit(monkeypatch, capsys, "report", str(make(tmp_path)), "-o", str(tmp_path / "out"))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_command_prints_where_it_wrote(monkeypatch, capsys, hostile_runs, tmp_path):
+    code, out, _ = evalkit(monkeypatch, capsys, "report", str(hostile_runs), "-o", str(tmp_path / "r"))
+    assert code == 0 and f"report: {tmp_path / 'r' / 'index.html'}\n" in out
+    assert "3 runs, 2 plots, 1 heatmaps" in out and "left out: lm_eval-arc: no policy, budget and score" in out
