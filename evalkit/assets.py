@@ -81,3 +81,84 @@ def default_model_dir() -> Path:
     quantised.generation_config.save_pretrained(staging)
     staging.rename(target)
     return target
+
+
+_AUSTEN_DEB = "r-cran-janeaustenr"
+AUSTEN_NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
+"""The six novels as janeaustenr names them, in order of publication."""
+
+
+def austen_dir() -> Path:
+    """Folder of Jane Austen's six novels as text (`<novel>.txt`, `VERSION`), extracted once from Debian.
+
+    Debian's `r-cran-janeaustenr` keeps each novel as a vector of hard-wrapped lines
+    in R's lazy-load database (`data/Rdata.rdx` index, `Rdata.rdb` entries: a
+    4-byte length, then zlib-compressed R serialisation), read here with PyPI
+    `rdata`. The .deb is fetched with `apt-get download` and unpacked with
+    `dpkg-deb`; nothing is installed (installing would pull in R). Each novel is
+    stored as paragraphs: a paragraph's lines joined by spaces, paragraphs by a blank line.
+    """
+    target = cache_root() / "texts" / "janeaustenr"
+    if target.exists():
+        return target
+    try:
+        import rdata
+    except ImportError:
+        raise EvalkitError("reading Jane Austen's novels needs the rdata package (pip install rdata)") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            fetched = subprocess.run(["apt-get", "download", _AUSTEN_DEB], cwd=tmp, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise EvalkitError(f"cannot fetch {_AUSTEN_DEB}: apt-get is not available") from None
+        debs = list(Path(tmp).glob("*.deb"))
+        if fetched.returncode != 0 or not debs:
+            reason = (fetched.stderr.strip().splitlines() or ["no package"])[-1]
+            raise EvalkitError(f"cannot fetch {_AUSTEN_DEB} with apt-get: {reason}")
+        unpacked = Path(tmp) / "unpacked"
+        version = subprocess.run(["dpkg-deb", "-f", str(debs[0]), "Version"], capture_output=True, text=True)
+        extracted = subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], capture_output=True, text=True)
+        if extracted.returncode != 0 or version.returncode != 0:
+            raise EvalkitError(f"cannot unpack {debs[0].name}: {(extracted.stderr or version.stderr).strip()}")
+        data = unpacked / "usr" / "lib" / "R" / "site-library" / "janeaustenr" / "data"
+        novels = _read_lazy_load_db(rdata, data / "Rdata.rdx", data / "Rdata.rdb")
+        staging = Path(tmp) / "texts"
+        staging.mkdir()
+        for name in AUSTEN_NOVELS:
+            (staging / f"{name}.txt").write_text(_paragraphs(novels[name]), encoding="utf-8")
+        (staging / "VERSION").write_text(f"{_AUSTEN_DEB} {version.stdout.strip()}\n")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staging), target)  # whole folder appears at once: an interrupted fetch leaves nothing
+    return target
+
+
+def _read_lazy_load_db(rdata, index_path: Path, db_path: Path) -> dict[str, list[str]]:
+    """Every object of an R lazy-load database, by name (here: each novel's lines)."""
+    import warnings
+    import zlib
+
+    def parse(raw: bytes):
+        with warnings.catch_warnings():  # rdata guesses the serialisation's file type and says so
+            warnings.simplefilter("ignore")
+            return rdata.conversion.convert(rdata.parser.parse_data(raw))
+
+    index = parse(index_path.read_bytes())  # gzip-compressed; rdata detects it
+    db = db_path.read_bytes()
+    objects = {}
+    for name, (offset, size) in index["variables"].items():
+        # Each entry: 4-byte big-endian uncompressed size, then a zlib stream.
+        objects[str(name)] = [str(line) for line in parse(zlib.decompress(db[offset + 4:offset + size]))]
+    return objects
+
+
+def _paragraphs(lines: list[str]) -> str:
+    """Hard-wrapped lines to paragraphs: lines joined by spaces, paragraphs (blank-line separated) by a blank line."""
+    paragraphs, current = [], []
+    for line in lines:
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    if current:
+        paragraphs.append(" ".join(current))
+    return "\n\n".join(paragraphs) + "\n"

@@ -79,13 +79,19 @@ def run(
 
 def _print_result(result) -> None:
     m, base = result.metrics, result.baseline
+    # Perplexity (ppl) is shown as it is, lower is better; other scores are fractions shown in percent.
+    perplexity = m.get("metric") == "perplexity"
+
+    def shown(score: float) -> str:
+        return f"{score:.2f}" if perplexity else f"{100 * score:.1f}"
+
     table = Table(title=f"{result.run_id}  ({m['samples']} samples)", title_justify="left")
-    for column in ("score", "full cache", "KV held/full", "KV held", "kept/head", "prefill tok/s",
-                   "decode tok/s"):
+    for column in ("perplexity" if perplexity else "score", "full cache", "KV held/full", "KV held", "kept/head",
+                   "prefill tok/s", "decode tok/s"):
         table.add_column(column, justify="right")
     table.add_row(
-        f"{100 * m['score']:.1f}",
-        f"{100 * base['score']:.1f}" if base else "not run",
+        shown(m["score"]),
+        shown(base["score"]) if base else "not run",
         f"{100 * m['held_over_full']:.1f}%",
         f"{m['bytes_held'] / 2**20:.1f} MiB",
         f"{m['kept_tokens']:.0f}/{m['prompt_tokens']:.0f}",
@@ -100,9 +106,27 @@ def _print_result(result) -> None:
         for name, score in m["by_task"].items():
             tasks.add_row(name, f"{100 * score:.1f}")
         out.print(tasks)
+    if m.get("by_position"):
+        positions = Table(title="perplexity by position", title_justify="left")
+        positions.add_column("positions")
+        positions.add_column("perplexity", justify="right")
+        for bucket in m["by_position"]:
+            positions.add_row(f"{bucket['start']}-{bucket['end']}", f"{bucket['perplexity']:.2f}")
+        out.print(positions)
     note = "already complete" if result.resumed_from < 0 else (
         f"resumed after {result.resumed_from} samples" if result.resumed_from else "")
     out.print(f"results: {result.path}" + (f" ({note})" if note else ""))
+
+
+@app.command()
+def heatmap(
+    run_dirs: list[str] = typer.Argument(..., help="niah run folders (runs/niah-*), one panel each."),
+    out_path: str = typer.Option("niah_heatmaps.png", "--out", "-o", help="PNG to write."),
+):
+    """Needle-in-a-haystack heatmaps of niah runs side by side, one per policy and budget, on one colour scale."""
+    from evalkit.heatmap import write_side_by_side
+
+    out.print(f"wrote {write_side_by_side(run_dirs, out_path)}")
 
 
 @app.command()

@@ -182,7 +182,8 @@ def _text(value) -> str:
 
 COLUMNS = [  # (heading, key in a row, display format); the AUC is the headline, first of the numbers
     ("task", "setting", "text"), ("policy", "series", "text"), ("budget", "budget", "budget"),
-    ("AUC %", "auc", "pct"), ("AUC / full", "relative_auc", "pct"), ("score %", "score", "pct"),
+    ("metric", "metric", "text"), ("AUC", "auc", "score"), ("AUC / full", "relative_auc", "pct"),
+    ("score", "score", "score"),
     ("score / full", "relative_score", "pct"), ("KV held MiB", "mib_held", "num1"),
     ("KV held / full", "held_over_full", "pct"), ("prefill tok/s", "prefill_tokens_per_s", "num0"),
     ("decode tok/s", "decode_tokens_per_s", "num1"), ("samples", "samples", "num0"), ("run", "run_id", "text"),
@@ -196,27 +197,35 @@ def leaderboard_rows(entries: list[Entry]) -> list[dict]:
         rows.append({
             "setting": e.setting, "task": e.config.get("task"), "length": e.config.get("length"),
             "series": e.series, "policy": e.config["policy"], "budget": e.config["budget"], "budget_fraction": e.x,
+            "metric": m.get("metric") if m.get("higher_is_better") is False else "score %",
+            "lower_is_better": m.get("higher_is_better") is False,
             "auc": e.auc, "relative_auc": e.relative(e.auc), "score": m["score"],
             "relative_score": e.relative(m["score"]), "full_cache_score": e.baseline["score"] if e.baseline else None,
             "bytes_held": m.get("bytes_held"), "mib_held": m["bytes_held"] / 2**20 if "bytes_held" in m else None,
             "held_over_full": m.get("held_over_full"), "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
             "decode_tokens_per_s": m.get("decode_tokens_per_s"), "samples": m.get("samples"), "run_id": e.run_id,
         })
-    return sorted(rows, key=lambda r: (r["setting"], -(r["auc"] if r["auc"] is not None else -1), r["series"],
-                                       r["budget_fraction"]))
+    def rank(r):  # best first: the highest AUC, or the lowest where lower is better (perplexity)
+        auc = r["auc"] if r["auc"] is not None else (math.inf if r["lower_is_better"] else -math.inf)
+        return auc if r["lower_is_better"] else -auc
+
+    return sorted(rows, key=lambda r: (r["setting"], rank(r), r["series"], r["budget_fraction"]))
 
 
-def _display(value, kind: str) -> tuple[str, str]:
-    """(text shown, value sorted on): numbers sort numerically, a missing value shows as a dash."""
+def _display(value, kind: str, lower_is_better: bool = False) -> tuple[str, str]:
+    """(text shown, value sorted on): numbers sort numerically, a missing value shows as a dash. A score is a
+    fraction shown in percent, or a perplexity (lower is better) shown as it is."""
     if value is None:
         return "—", ""
+    if kind == "score":
+        kind = "num2" if lower_is_better else "pct"
     if kind == "text":
         return str(value), str(value)
     if kind == "pct":
         return f"{100 * value:.1f}", repr(float(value))
     if kind == "budget":
         return str(value), repr(float(value))
-    digits = {"num0": 0, "num1": 1}[kind]
+    digits = {"num0": 0, "num1": 1, "num2": 2}[kind]
     return f"{value:.{digits}f}", repr(float(value))
 
 
@@ -271,7 +280,7 @@ def build_report(runs: Path, output: Path) -> Written:
             heatmaps.append({"caption": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id,
                              "data": base64.b64encode(data).decode()})
 
-    table = [[_display(row[key], kind) for _, key, kind in COLUMNS] for row in rows]
+    table = [[_display(row[key], kind, row["lower_is_better"]) for _, key, kind in COLUMNS] for row in rows]
     template = (files("evalkit") / "report_assets" / "index.html.j2").read_text()
     html = jinja2.Environment(autoescape=True).from_string(template).render(
         columns=[heading for heading, _, _ in COLUMNS], table=table, plots=plots, heatmaps=heatmaps,

@@ -136,12 +136,12 @@ def test_report_in_chromium_renders_plots_and_sorts(sweep_report, browser, tmp_p
     assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length") >= 2
     assert len(browser.find_elements(By.CSS_SELECTOR, "#leaderboard tbody tr")) == 10
 
-    header = browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='score %']")
+    header = browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='score']")
     header.click()
-    ascending = [float(v) for v in _column(browser, "score %")]
+    ascending = [float(v) for v in _column(browser, "score")]
     assert ascending == sorted(ascending) and header.get_attribute("aria-sort") == "ascending"
     header.click()
-    descending = [float(v) for v in _column(browser, "score %")]
+    descending = [float(v) for v in _column(browser, "score")]
     assert descending == sorted(ascending, reverse=True)
     browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='policy']").click()
     policies = _column(browser, "policy")
@@ -245,3 +245,22 @@ def test_report_command_prints_where_it_wrote(monkeypatch, capsys, hostile_runs,
     code, out, _ = evalkit(monkeypatch, capsys, "report", str(hostile_runs), "-o", str(tmp_path / "r"))
     assert code == 0 and f"report: {tmp_path / 'r' / 'index.html'}\n" in out
     assert "3 runs, 2 plots, 1 heatmaps" in out and "left out: lm_eval-arc: no policy, budget and score" in out
+
+
+def test_perplexity_runs_show_as_perplexity_and_rank_lowest_first(tmp_path):
+    """A ppl run's score is a perplexity (metrics say higher_is_better: false): shown as is, best = lowest."""
+    runs = tmp_path / "runs"
+    base = {"task": "ppl", "length": 4096, "samples": 1, "model": "m", "seed": 0}
+
+    def ppl_metrics(perplexity, held):
+        return {**_metrics(perplexity, held), "metric": "perplexity", "higher_is_better": False}
+
+    _write_run(runs, "full", {**base, "policy": "full", "budget": 1.0}, ppl_metrics(29.74, 1.0), [])
+    _write_run(runs, "good", {**base, "policy": "snapkv", "budget": 0.1}, ppl_metrics(30.5, 0.1), [])
+    _write_run(runs, "bad", {**base, "policy": "streaming_llm", "budget": 0.1}, ppl_metrics(31.2, 0.1), [])
+    build_report(runs, tmp_path / "report")
+    rows = list(csv.DictReader((tmp_path / "report" / "leaderboard.csv").open()))
+    assert [r["policy"] for r in rows] == ["full", "snapkv", "streaming_llm"]
+    html = (tmp_path / "report" / "index.html").read_text()
+    assert ">30.50<" in html and ">3050.0<" not in html  # a perplexity, not a percentage
+    assert "perplexity" in html

@@ -1,0 +1,196 @@
+"""`ppl`: passages, per-bucket loss, the Austen text, and the runner's streaming perplexity.
+
+Budget 1 must equal the full model's loss over the whole passage in one forward
+pass; a lower budget must change it.
+"""
+
+import json
+import math
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY
+from evalkit.assets import AUSTEN_NOVELS, austen_dir, cache_root, default_model_dir
+from evalkit.cli import main
+from evalkit.config import RunConfig
+from evalkit.errors import EvalkitError
+from evalkit.runner import run
+from evalkit.tasks import TASKS
+from evalkit.tasks import ppl as ppl_module
+from evalkit.tasks.ppl import CHARS_PER_TOKEN, Perplexity, load_text, perplexity_metrics
+
+LENGTH, CHUNK, BUCKET = 300, 64, 64
+
+
+# --- passages --------------------------------------------------------------------------------
+
+def test_passages_are_deterministic_spread_over_the_text_and_start_at_paragraphs():
+    task = Perplexity(text="essays")
+    samples = task.samples(None, LENGTH, 4, seed=3)
+    assert samples == task.samples(None, LENGTH, 4, seed=3)
+    assert samples != task.samples(None, LENGTH, 4, seed=4)
+    description, ((name, text),) = load_text("essays")
+    offsets = [s.meta["offset"] for s in samples]
+    assert offsets == sorted(offsets) and len(set(offsets)) == 4  # one from each quarter, in order
+    assert offsets[-1] > len(text) / 2
+    for sample in samples:
+        offset = sample.meta["offset"]
+        assert offset == 0 or text[offset - 2:offset] == "\n\n"
+        assert sample.context == text[offset:offset + LENGTH * CHARS_PER_TOKEN]
+        assert sample.meta == {"text": description, "document": name, "offset": offset}
+        assert sample.max_new_tokens == 0 and sample.references == []
+    assert [s.id for s in samples] == ["ppl-0000", "ppl-0001", "ppl-0002", "ppl-0003"]
+
+
+def test_settings_are_checked():
+    task = TASKS.create("ppl")
+    assert (task.text, task.bucket) == ("auto", 512)
+    tuned = task.with_args({"text": "essays", "bucket": "128"})
+    assert (tuned.text, tuned.bucket) == ("essays", 128)
+    for args, message in [({"txt": "essays"}, "unknown ppl task-arg txt; known: bucket, text"),
+                          ({"text": "poems"}, "unknown ppl text 'poems'"),
+                          ({"bucket": "0"}, "ppl bucket must be a whole number"),
+                          ({"bucket": "1.5"}, "ppl bucket must be a whole number")]:
+        with pytest.raises(EvalkitError, match=message):
+            task.with_args(args)
+    with pytest.raises(TypeError):  # nothing is generated: scoring a prediction is a mistake, said loudly
+        task.score("text", [])
+
+
+def test_auto_falls_back_to_the_essays_when_austen_cannot_be_fetched(monkeypatch):
+    def unavailable():
+        raise EvalkitError("cannot fetch r-cran-janeaustenr: apt-get is not available")
+
+    monkeypatch.setattr(ppl_module, "austen_dir", unavailable)
+    load_text.cache_clear()
+    try:
+        assert load_text("auto")[0].startswith("Paul Graham essays")
+        with pytest.raises(EvalkitError, match="apt-get is not available"):
+            load_text("austen")
+    finally:
+        load_text.cache_clear()
+
+
+def test_austen_novels_come_from_the_debian_package_as_paragraphs():
+    if shutil.which("apt-get") is None and not (cache_root() / "texts" / "janeaustenr").exists():
+        pytest.skip("no apt-get on this machine to fetch r-cran-janeaustenr (ppl then uses the essays)")
+    folder = austen_dir()
+    assert (folder / "VERSION").read_text().startswith("r-cran-janeaustenr ")
+    texts = {name: (folder / f"{name}.txt").read_text(encoding="utf-8") for name in AUSTEN_NOVELS}
+    assert "It is a truth universally acknowledged, that a single man in possession of a good fortune, " \
+           "must be in want of a wife." in texts["prideprejudice"]
+    assert "Emma Woodhouse, handsome, clever, and rich" in texts["emma"]
+    assert 3_500_000 < sum(map(len, texts.values())) < 4_500_000  # the six novels, about 4 MB
+    for text in texts.values():
+        assert "\n" not in text.replace("\n\n", "").rstrip("\n")  # hard wraps joined; paragraphs kept
+    description, documents = load_text("austen")
+    assert [name for name, _ in documents] == list(AUSTEN_NOVELS) and "r-cran-janeaustenr" in description
+
+
+# --- loss per position -------------------------------------------------------------------------
+
+def test_loss_summary_sums_each_bucket_of_positions():
+    logprobs = [-1.0, -2.0, -3.0, -0.5, -0.5, -1.5, -2.5]  # positions 5..11
+    summary = Perplexity(bucket=4).loss_summary(logprobs, first_position=5)
+    assert summary["scored_tokens"] == 7 and summary["nll"] == pytest.approx(11.0)
+    assert summary["perplexity"] == pytest.approx(math.exp(11.0 / 7))
+    assert summary["buckets"] == [{"start": 5, "end": 8, "tokens": 3, "nll": pytest.approx(6.0)},
+                                  {"start": 8, "end": 12, "tokens": 4, "nll": pytest.approx(5.0)}]
+
+
+def test_run_perplexity_weights_every_token_alike():
+    meta = {"meta": {"text": "T"}}
+    records = [dict(meta, scored_tokens=3, nll=6.0, buckets=[{"start": 4, "end": 7, "tokens": 3, "nll": 6.0}]),
+               dict(meta, scored_tokens=1, nll=0.5, buckets=[{"start": 4, "end": 7, "tokens": 1, "nll": 0.5}])]
+    metrics = perplexity_metrics(records)
+    assert metrics["perplexity"] == metrics["score"] == pytest.approx(math.exp(6.5 / 4))
+    assert metrics["by_position"] == [{"start": 4, "end": 7, "tokens": 4,
+                                       "perplexity": pytest.approx(math.exp(6.5 / 4))}]
+    assert metrics["higher_is_better"] is False and metrics["metric"] == "perplexity" and metrics["text"] == "T"
+
+
+# --- through the runner, on a tiny model ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A random 2-layer Llama that reads the default model's tokens, saved as a loadable folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**dict(TINY, vocab_size=len(tokenizer),
+                                                                max_position_embeddings=1024)))
+    folder = tmp_path_factory.mktemp("tiny-ppl")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def ppl_run(folder, out, policy, budget):
+    config = RunConfig(policy=policy, budget=budget, task="ppl", task_args={"text": "essays", "bucket": str(BUCKET)},
+                       length=LENGTH, samples=2, chunk_size=CHUNK, model=str(folder), dtype="float32",
+                       device="cpu", out=str(out), wandb="off")
+    result = run(config)
+    records = [json.loads(line) for line in (out / result.run_id / "predictions.jsonl").read_text().splitlines()]
+    return result.metrics, records
+
+
+def full_forward_nll(folder, records) -> list[list[float]]:
+    """Per passage, the negative log-probability of each token from position CHUNK on, in one forward pass."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    samples = {s.id: s for s in Perplexity(text="essays").samples(None, LENGTH, 2, seed=0)}
+    losses = []
+    for record in records:
+        ids = tokenizer(samples[record["id"]].context).input_ids[:LENGTH]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        losses.append([-float(logprobs[p - 1, ids[p]]) for p in range(CHUNK, LENGTH)])
+    return losses
+
+
+def test_budget_one_equals_one_full_forward_pass_and_a_lower_budget_changes_it(tiny_folder, tmp_path):
+    full, records = ppl_run(tiny_folder, tmp_path, "full", 1.0)
+    assert len(records) == 2 and full["scored_from"] == CHUNK and full["scored_tokens"] == 2 * (LENGTH - CHUNK)
+    reference = full_forward_nll(tiny_folder, records)
+    for record, losses in zip(records, reference):
+        assert record["prompt_tokens"] == LENGTH - 1 == record["kept_tokens"]  # every fed token kept
+        assert record["nll"] == pytest.approx(sum(losses), rel=1e-5)
+        assert record["perplexity"] == pytest.approx(math.exp(sum(losses) / len(losses)), rel=1e-5)
+        for bucket in record["buckets"]:
+            part = losses[bucket["start"] - CHUNK:bucket["end"] - CHUNK]
+            assert bucket["tokens"] == len(part) and bucket["nll"] == pytest.approx(sum(part), rel=1e-5)
+    every = [loss for losses in reference for loss in losses]
+    assert full["perplexity"] == pytest.approx(math.exp(sum(every) / len(every)), rel=1e-5)
+    assert [(b["start"], b["end"], b["tokens"]) for b in full["by_position"]] == [
+        (64, 128, 128), (128, 192, 128), (192, 256, 128), (256, 300, 88)]  # two passages a bucket
+    assert full["text"].startswith("Paul Graham essays") and full["higher_is_better"] is False
+
+    evicted, evicted_records = ppl_run(tiny_folder, tmp_path, "h2o_head", 0.2)
+    assert abs(evicted["perplexity"] - full["perplexity"]) > 1e-3 * full["perplexity"]
+    assert all(r["kept_tokens"] == math.ceil(0.2 * (LENGTH - 1)) for r in evicted_records)
+    assert evicted["held_over_full"] < 0.5
+    assert [b["start"] for b in evicted["by_position"]] == [b["start"] for b in full["by_position"]]
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--task-arg", "text=poems"], "unknown ppl text 'poems'"),
+    (["--task-arg", "window=3"], "unknown ppl task-arg window"),
+    (["--length", "400", "--chunk-size", "512"], "--length 400 must be more than --chunk-size 512"),
+    (["--length", "9000"], "need more than the 8192 positions"),
+])
+def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys, tmp_path, args, message):
+    out = tmp_path / "runs"
+    monkeypatch.setattr(sys, "argv", ["evalkit", "run", "--task", "ppl", *args, "--out", str(out), "--wandb", "off"])
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() or not any(out.iterdir())
