@@ -34,7 +34,7 @@ test: setup browser
 	$(OFFLINE) $(VENV)/bin/pytest -q
 
 bench: setup
-	$(OFFLINE) $(VENV)/bin/python scripts/bench_loop.py
+	$(OFFLINE) $(VENV)/bin/evalkit bench
 
 clean:
 	rm -rf $(VENV) runs wandb report .pytest_cache .hypothesis

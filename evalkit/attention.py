@@ -87,7 +87,7 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         t = stop - start
         # Queries of a group stacked as rows: one matmul per KV head, K and V never repeated.
         scores = torch.matmul(q_block.reshape(B, H_kv, G * t, D), k.transpose(-1, -2)).view(B, H_kv, G, t, N)
-        scores = (scores * scaling).masked_fill_(~allowed, float("-inf"))
+        scores = scores.mul_(scaling).masked_fill_(~allowed, float("-inf"))  # in place: no second score block
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
         if not all_valid:

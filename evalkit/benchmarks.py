@@ -1,0 +1,488 @@
+"""Speed and memory of the generation loop, one measurement per fresh process.
+
+A *cell* is one (loop, policy, budget, layout, length): the evalkit loop under a policy, or HF
+`generate` as the baseline. `measure_cell` runs in a child process (see `Isolated`) and returns
+plain numbers; the parent never loads the model.
+
+Time. On CPU, `time.perf_counter`; on CUDA, `torch.cuda.Event`s read after a synchronize. The
+loop's `observe` hook marks the end of the prompt's forward, the end of compression and every
+decode forward, so prefill, compression and each decode step are timed apart (generate's own
+`timing` folds compression into prefill and, on CUDA, stops its clock without synchronizing; it
+is kept in the raw repeats for comparison). One warm-up generation on a short prompt first, then
+`repeats` timed ones; medians reported.
+
+Memory. The peak resident set of a long-lived process never goes down, so each cell gets its own
+process, and memory is read in one more generation after the timed ones. Before it, the process
+switches glibc to exact allocation (every block of 1 MiB or more its own mapping, returned to the
+kernel when freed: with glibc's default, adaptive threshold, freed blocks linger in the heap, and
+the full cache's 4k-token generation peaked 367 and then 514 MiB above the model in two processes;
+with exact allocation, 302 MiB both times, but its prefill took 45 s instead of 32 s: hence a
+separate generation),
+returns free heap pages (`malloc_trim`) and resets the kernel's high-water mark
+(`/proc/self/clear_refs`, "5"). The peak (VmHWM, tracked by the kernel, no sampling) is then the
+true peak of that generation, and `working` is the peak minus the resident set just before it (the
+loaded, warmed-up model). Without clear_refs, `ru_maxrss` of the fresh process is used and the
+method recorded. On CUDA, `torch.cuda.max_memory_allocated` after a reset as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import re
+import resource
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from evalkit.errors import EvalkitError
+
+HF_LOOP = "hf"
+EVALKIT_LOOP = "evalkit"
+FULL = "full"
+WARMUP_PROMPT_TOKENS = 128
+QUESTION = "\nQuestion: What does the author think is the best way to find startup ideas?\nAnswer:"
+_ROW_OFFSET = 1000  # haystack tokens between the starts of two prompts of a batch
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What every cell of one benchmark shares; results measured under other settings are not reused."""
+
+    model: str
+    new_tokens: int
+    batch: int
+    repeats: int
+    block_size: int
+    dtype: str
+    device: str
+    seed: int
+    threads: int  # torch threads in each measurement; 0: torch's default (one per core)
+    decode_eviction: bool = True  # keep the cache at budget while decoding (one eviction per token), as `run` does
+
+
+@dataclass(frozen=True)
+class Cell:
+    loop: str  # EVALKIT_LOOP or HF_LOOP
+    policy: str  # FULL for the full cache; HF_LOOP for the baseline
+    budget: float | int
+    layout: str  # "paged", "dense"; HF's own cache for the baseline
+    length: int  # prompt + new tokens
+
+    @property
+    def key(self) -> str:
+        return f"{self.loop}/{self.policy}/{self.budget}/{self.layout}/{self.length}"
+
+    @property
+    def label(self) -> str:
+        if self.loop == HF_LOOP:
+            return "HF generate"
+        return self.policy if self.policy == FULL else f"{self.policy} @ {self.budget}"
+
+
+# --- isolation and clocks -----------------------------------------------------------------------
+
+class Isolated:
+    """Runs each call in a fresh process, forked from a server that has already imported torch,
+    transformers and the model's module (`preload`).
+
+    Forking from a preloaded server saves seconds of imports per measurement, and a process used
+    once has no allocator state or peak left over from the one before.
+    """
+
+    def __init__(self, preload: tuple[str, ...] = ()):
+        self.preload = ["evalkit.benchmarks", "evalkit.benchmarks_components", *preload]
+
+    def __enter__(self) -> "Isolated":
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(self.preload)
+        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=context, max_tasks_per_child=1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def run(self, threads: int, fn, *args):
+        """fn(*args) in a fresh process using `threads` torch threads (0: torch's default)."""
+        return self._pool.submit(_in_child, threads, fn, *args).result()
+
+
+def _in_child(threads: int, fn, *args):
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the parent's progress bar owns the terminal
+    if threads:
+        torch.set_num_threads(threads)
+    return fn(*args)
+
+
+def model_module(config) -> str | None:
+    """The transformers module of a config's architecture (slow to import: worth preloading), if any."""
+    import importlib.util
+
+    name = f"transformers.models.{config.model_type}.modeling_{config.model_type}"
+    try:
+        return name if importlib.util.find_spec(name) else None
+    except ModuleNotFoundError:
+        return None
+
+
+class Clock:
+    """Marks on the device's timeline: perf_counter on CPU, CUDA events on CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, stop) -> float:
+        if self.cuda:
+            stop.synchronize()
+            return start.elapsed_time(stop) / 1e3
+        return stop - start
+
+
+class PeakMemory:
+    """Peak resident set (and CUDA allocation) of this process from `reset()` on.
+
+    `reset()` switches the process to exact allocation for good: call it after any timing.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.method = "VmHWM after clear_refs" if _can_reset_peak() else "ru_maxrss of a fresh process"
+
+    def reset(self) -> None:
+        _exact_allocation()
+        if self.method.startswith("VmHWM"):
+            Path("/proc/self/clear_refs").write_text("5")
+        self.base_rss = _rss_now()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base_cuda = torch.cuda.memory_allocated()
+
+    def read(self) -> dict:
+        peak = _status_kib("VmHWM") * 1024 if self.method.startswith("VmHWM") else _ru_maxrss_bytes()
+        result = {"peak_rss_bytes": peak, "base_rss_bytes": self.base_rss,
+                  "working_bytes": max(0, peak - self.base_rss), "memory_method": self.method}
+        if self.cuda:
+            torch.cuda.synchronize()
+            cuda_peak = torch.cuda.max_memory_allocated()
+            result.update(cuda_peak_bytes=cuda_peak, cuda_working_bytes=cuda_peak - self.base_cuda)
+        return result
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_EXACT_THRESHOLD = 1 << 20
+
+
+def _exact_allocation() -> None:
+    """glibc: blocks >= 1 MiB mapped on their own and unmapped when freed (a fixed threshold also
+    stops glibc from raising it as blocks are freed), and free heap pages returned now, so the
+    resident set follows live memory. Elsewhere nothing changes and peaks may include free heap."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallopt(_M_MMAP_THRESHOLD, _EXACT_THRESHOLD)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
+def _status_kib(field: str) -> int:
+    match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    return int(match.group(1))
+
+
+def _rss_now() -> int:
+    try:
+        return _status_kib("VmRSS") * 1024
+    except OSError:
+        return _ru_maxrss_bytes()  # no /proc: the best available lower bound of the baseline
+
+
+def _ru_maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _can_reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_kib("VmHWM") > 0
+    except OSError:
+        return False
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+@dataclass
+class Prompt:
+    context_ids: list[int]
+    question_ids: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return self.context_ids + self.question_ids
+
+
+def bench_prompts(tokenizer, prompt_tokens: int, batch: int) -> list[Prompt]:
+    """`batch` prompts of exactly `prompt_tokens` tokens: essay text (RULER's haystack), then a question."""
+    from evalkit.tasks.haystack import haystack_text
+
+    question = tokenizer(QUESTION, add_special_tokens=False).input_ids
+    context_tokens = prompt_tokens - len(question)
+    if context_tokens < 1:
+        raise EvalkitError(f"a {prompt_tokens}-token prompt cannot hold the {len(question)}-token question: "
+                           "use longer --lengths")
+    # A word is at least one token, so this many words always give enough tokens.
+    text = haystack_text(context_tokens + _ROW_OFFSET * batch)
+    haystack = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+    return [Prompt(haystack[b * _ROW_OFFSET:b * _ROW_OFFSET + context_tokens], question) for b in range(batch)]
+
+
+@contextlib.contextmanager
+def eos_disabled(model):
+    """No EOS in either loop: both generate exactly the asked number of tokens from the same logits.
+    (HF's min_new_tokens would instead mask EOS's logit, which can change the argmax.)"""
+    previous = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = previous
+
+
+# --- one generation -----------------------------------------------------------------------------
+
+def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: Cell, clock: Clock) -> dict:
+    from evalkit.generate import GenerationSettings, Request, generate
+    from evalkit.policies import make_policy
+
+    marks: list[tuple[str, object]] = []
+    storage = {}
+
+    def observe(event: str, cache) -> None:
+        marks.append((event, clock.mark()))
+        if event == "prefill":
+            storage["bytes"] = sum(layer.num_real_slots * layer.token_bytes for layer in cache.layers)
+
+    requests = [Request(p.context_ids, p.question_ids, settings.new_tokens) for p in prompts]
+    gen_settings = GenerationSettings(make_policy(cell.policy), budget=cell.budget, layout=cell.layout,
+                                      block_size=settings.block_size, seed=settings.seed,
+                                      decode_eviction=settings.decode_eviction)
+    start = clock.mark()
+    generations = generate(model, None, requests, gen_settings, observe=observe)
+    stop = clock.mark()
+
+    at_prefill = [event for event, _ in marks].index("prefill")
+    prompt_forward_done = marks[at_prefill - 1][1]  # the last prefill forward (one: prefill is "full")
+    prefill_done = marks[at_prefill][1]
+    decode_marks = [prefill_done] + [mark for _, mark in marks[at_prefill + 1:]]
+    first = generations[0]
+    return {
+        "prefill_seconds": clock.seconds(start, prompt_forward_done),
+        "compression_seconds": clock.seconds(prompt_forward_done, prefill_done),
+        "decode_seconds": clock.seconds(prefill_done, stop),
+        "total_seconds": clock.seconds(start, stop),
+        "decode_steps": [clock.seconds(a, b) for a, b in zip(decode_marks, decode_marks[1:])],
+        "generate_timing": {k: v for k, v in first.timing.items() if k.endswith("seconds")},
+        "token_ids": first.token_ids,
+        "new_tokens": sum(len(g.token_ids) for g in generations),
+        "prompt_tokens": sum(g.prompt_tokens for g in generations),
+        "kept_tokens": statistics.fmean(g.kept_tokens for g in generations),
+        "bytes_held": sum(g.bytes_held for g in generations),
+        "bytes_ideal": sum(g.bytes_ideal for g in generations),
+        "bytes_full": sum(g.bytes_full for g in generations),
+        "storage_bytes": storage["bytes"],
+    }
+
+
+def _hf_once(model, prompts: list[Prompt], settings: BenchSettings, clock: Clock) -> dict:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class MarkEachStep(LogitsProcessor):
+        """Called once per generated token, right after the forward that produced its logits."""
+
+        def __init__(self):
+            self.marks = []
+
+        def __call__(self, input_ids, scores):
+            self.marks.append(clock.mark())
+            return scores  # unchanged: greedy picks the same token
+
+    ids = torch.tensor([p.ids for p in prompts], device=model.device)
+    steps = MarkEachStep()
+    pad = model.generation_config.pad_token_id
+    start = clock.mark()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.new_tokens,
+                             do_sample=False, pad_token_id=0 if pad is None else pad,
+                             logits_processor=LogitsProcessorList([steps]))
+    stop = clock.mark()
+    first_logits = steps.marks[0]
+    new = out[:, ids.shape[1]:]
+    return {
+        "prefill_seconds": clock.seconds(start, first_logits),
+        "compression_seconds": 0.0,
+        "decode_seconds": clock.seconds(first_logits, stop),
+        "total_seconds": clock.seconds(start, stop),
+        "decode_steps": [clock.seconds(a, b) for a, b in zip(steps.marks, steps.marks[1:])],
+        "token_ids": new[0].tolist(),
+        "new_tokens": new.numel(),
+        "prompt_tokens": ids.numel(),
+    }
+
+
+# --- one cell, in its own process ---------------------------------------------------------------
+
+def measure_cell(settings: BenchSettings, cell: Cell) -> dict:
+    """Warm up, time `settings.repeats` generations of `cell`, then one more for its peak memory; medians,
+    peaks and bytes. Run it isolated: it changes how the process allocates."""
+    from evalkit.models import load_model
+
+    model, tokenizer = load_model(settings.model, settings.dtype, settings.device)
+    clock, memory = Clock(model.device), PeakMemory(model.device)
+    prompt_tokens = cell.length - settings.new_tokens
+    prompts = bench_prompts(tokenizer, prompt_tokens, settings.batch)
+    short = [Prompt(p.context_ids[-max(1, WARMUP_PROMPT_TOKENS - len(p.question_ids)):], p.question_ids)
+             for p in prompts]
+
+    def once(batch: list[Prompt]) -> dict:
+        if cell.loop == HF_LOOP:
+            return _hf_once(model, batch, settings, clock)
+        return _evalkit_once(model, batch, settings, cell, clock)
+
+    with eos_disabled(model):
+        once(short)  # warm-up: first calls pay for thread pools, kernels, lazy imports and weight pages
+        runs = [once(prompts) for _ in range(settings.repeats)]
+        memory.reset()
+        once(prompts)  # memory only: exact allocation slows it down
+    return summarise(cell, runs, memory.read(), str(model.device), torch.get_num_threads())
+
+
+def summarise(cell: Cell, runs: list[dict], memory: dict, device: str, threads: int) -> dict:
+    """One row: medians over the repeats (decode step: over every step of every repeat), bytes, peaks."""
+    last = runs[-1]
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    total = median("total_seconds")
+    decode = median("decode_seconds")
+    steps = [step for r in runs for step in r["decode_steps"]]
+    row = {
+        **asdict(cell), "key": cell.key, "label": cell.label, "device": device, "threads": threads,
+        "prompt_tokens": last["prompt_tokens"], "new_tokens": last["new_tokens"],
+        "prefill_seconds": median("prefill_seconds"), "compression_seconds": median("compression_seconds"),
+        "decode_seconds": decode, "total_seconds": total,
+        "decode_step_seconds": statistics.median(steps),  # new tokens >= 2: at least one step
+        "tokens_per_s": last["new_tokens"] / total,
+        "decode_tokens_per_s": last["new_tokens"] / decode,
+        "prefill_tokens_per_s": last["prompt_tokens"] / median("prefill_seconds"),
+        **memory,
+        "token_ids": last["token_ids"],
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "repeats": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs],
+    }
+    if cell.loop == EVALKIT_LOOP:
+        row.update({key: last[key] for key in ("kept_tokens", "bytes_held", "bytes_ideal", "bytes_full",
+                                                "storage_bytes")})
+        row["held_over_ideal"] = last["bytes_held"] / last["bytes_ideal"]
+        row["held_over_full"] = last["bytes_held"] / last["bytes_full"]
+    return row
+
+
+# --- the grid and the comparisons -----------------------------------------------------------------
+
+def grid(policies: list[str], budgets: list, layouts: list[str], lengths: list[int]) -> list[Cell]:
+    """Per length: HF's baseline, the full cache on every layout, then every policy × budget × layout."""
+    cells = []
+    for length in lengths:
+        cells.append(Cell(HF_LOOP, HF_LOOP, 1.0, "hf", length))
+        cells += [Cell(EVALKIT_LOOP, FULL, 1.0, layout, length) for layout in layouts]
+        cells += [Cell(EVALKIT_LOOP, policy, budget, layout, length)
+                  for policy in policies if policy != FULL for budget in budgets for layout in layouts]
+    return cells
+
+
+def compare_with_full(rows: list[dict]) -> None:
+    """Adds to each row its ratios against the full cache measured in the same grid (same layout, length)."""
+    full = {(r["layout"], r["length"]): r for r in rows if r["policy"] == FULL}
+    paged_full = {r["length"]: r for r in rows if r["policy"] == FULL and r["layout"] == "paged"}
+    for row in rows:
+        reference = full.get((row["layout"], row["length"])) or paged_full.get(row["length"])
+        if reference is None or row is reference:
+            continue
+        row["vs_full"] = {
+            "tokens_per_s": row["tokens_per_s"] / reference["tokens_per_s"],
+            "decode_step": row["decode_step_seconds"] / reference["decode_step_seconds"],
+            "prefill_seconds": (row["prefill_seconds"] + row["compression_seconds"])
+            / (reference["prefill_seconds"] + reference["compression_seconds"]),
+            "peak_rss": row["peak_rss_bytes"] / reference["peak_rss_bytes"],
+            "working": row["working_bytes"] / max(1, reference["working_bytes"]),
+        }
+
+
+TARGET_LOOP_VS_HF = 0.9
+TARGET_DECODE_STEP = 0.8
+TARGET_DECODE_BUDGET = 0.2
+TARGET_PAGED_OVER_IDEAL = 1.05
+TARGET_STATISTICS_MEMORY = 1.2
+
+
+def targets(rows: list[dict], collects_attention: set[str], block_size: int) -> list[dict]:
+    """The issue's targets, evaluated on whatever cells this grid holds (a target with no cell is absent).
+
+    `collects_attention`: policies whose prefill gathers H2O's column sums.
+    """
+    found = []
+
+    def add(name, row, value, threshold, met, note=""):
+        found.append({"target": name, "cell": row["key"], "label": row["label"], "layout": row["layout"],
+                      "length": row["length"], "value": value, "threshold": threshold, "met": bool(met),
+                      "note": note})
+
+    by_key = {(r["loop"], r["policy"], r["layout"], r["length"]): r for r in rows}
+    for row in rows:
+        if row["loop"] == HF_LOOP:
+            full = by_key.get((EVALKIT_LOOP, FULL, "paged", row["length"]))
+            if full:
+                same = full["token_ids"] == row["token_ids"]
+                add("full-cache loop tokens/s / HF generate tokens/s", full,
+                    full["tokens_per_s"] / row["tokens_per_s"], f">= {TARGET_LOOP_VS_HF}",
+                    full["tokens_per_s"] / row["tokens_per_s"] >= TARGET_LOOP_VS_HF,
+                    "identical token ids" if same else "TOKEN IDS DIFFER")
+            continue
+        if row["policy"] == FULL or "vs_full" not in row:
+            continue
+        evicting = row["bytes_ideal"] < row["bytes_full"]
+        if row["budget"] == TARGET_DECODE_BUDGET:
+            add("decode step / full-cache decode step", row, row["vs_full"]["decode_step"],
+                f"<= {TARGET_DECODE_STEP}", row["vs_full"]["decode_step"] <= TARGET_DECODE_STEP)
+        if row["layout"] == "paged" and evicting:
+            kept = row["kept_tokens"]
+            floor = math.ceil(kept / block_size) * block_size / kept
+            add("paged KV bytes held / ideal", row, row["held_over_ideal"], f"<= {TARGET_PAGED_OVER_IDEAL}",
+                row["held_over_ideal"] <= TARGET_PAGED_OVER_IDEAL,
+                f"page floor ceil(k/S)*S/k at the mean k = {kept:.0f}: {floor:.3f}")
+        if row["layout"] == "dense":
+            add("dense KV bytes held / capacity", row, row["bytes_held"] / row["storage_bytes"], "== 1",
+                row["bytes_held"] == row["storage_bytes"])
+        if row["policy"] in collects_attention:
+            add("peak process memory / full cache's", row, row["vs_full"]["peak_rss"],
+                f"<= {TARGET_STATISTICS_MEMORY}", row["vs_full"]["peak_rss"] <= TARGET_STATISTICS_MEMORY,
+                f"working set above the loaded model: {row['vs_full']['working']:.2f}x")
+    return found

@@ -1,0 +1,226 @@
+"""How each piece of the loop scales: microbenchmarks of one layer's work, with fitted exponents.
+
+- prefill attention with statistics (`attention_reference`, collect None / "attention" / "window")
+  over n prompt tokens: time and working memory. Exact attention does n²/2 query-key products, so
+  its time grows ~n² whatever the statistics; what must stay linear is the memory (the statistics
+  are [B, H_kv, n] and queries go in blocks, never an n × n matrix) and the statistics' overhead
+  over plain attention (a constant factor, not a higher power).
+- selection (a policy's `score` then `select`, as `compress` runs them) over n slots at a budget.
+- decode attention over a cache of k kept tokens: one layer's `read()` of a compacted paged cache
+  and one query's attention, swept over the prompt length n at fixed k (should be flat) and over k
+  at fixed n (should grow with k).
+
+Every point runs in its own process (see `benchmarks.Isolated`), so its peak memory is its own;
+memory is read in one more call after the timed ones (see `benchmarks.PeakMemory`).
+Fits are least squares of log(value) on log(size): value ∝ size^exponent, and per_doubling =
+2^exponent = value(2n) / value(n).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.benchmarks import Clock, PeakMemory
+
+PREFILL_COLLECTS = (None, "attention", "window")
+SNAPKV_WINDOW = 32
+KEPT_FRACTIONS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # of the longest prompt, for the decode sweep over k
+FIXED_KEPT_FRACTION = 0.2  # of the shortest prompt, for the decode sweep over n
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """One attention layer of the benchmarked model."""
+
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # "float32", ...
+    device: str
+
+    @classmethod
+    def of(cls, config, dtype: torch.dtype, device: torch.device) -> "HeadShape":
+        from evalkit.cache import model_kv_shape
+
+        _, kv_heads, head_dim = model_kv_shape(config)
+        return cls(config.num_attention_heads, kv_heads, head_dim, str(dtype).removeprefix("torch."), str(device))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def time_call(fn, clock: Clock, min_repeats: int = 3, max_repeats: int = 200, seconds: float = 0.2) -> float:
+    """Median seconds of `fn()` after one warm-up call, repeated until `seconds` have passed (bounded)."""
+    fn()
+    times = []
+    while len(times) < min_repeats or (len(times) < max_repeats and sum(times) < seconds):
+        start = clock.mark()
+        fn()
+        times.append(clock.seconds(start, clock.mark()))
+    return statistics.median(times)
+
+
+def fit_power(sizes: list[float], values: list[float]) -> dict | None:
+    """value ≈ c · size^exponent by least squares in log space; None without two distinct sizes."""
+    pairs = sorted((s, v) for s, v in zip(sizes, values) if s > 0 and v > 0)
+    if len({s for s, _ in pairs}) < 2:
+        return None
+    xs = [math.log(s) for s, _ in pairs]
+    ys = [math.log(v) for _, v in pairs]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    exponent = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    ratios = [{"from": a, "to": b, "ratio": vb / va} for (a, va), (b, vb) in zip(pairs, pairs[1:]) if b != a]
+    return {"exponent": exponent, "per_doubling": 2 ** exponent, "ratios": ratios}
+
+
+# --- the points (each runs isolated) ------------------------------------------------------------
+
+def _qkv(shape: HeadShape, queries: int, keys: int, generator: torch.Generator):
+    """q: [1, H_q, queries, D]; k, v: [1, H_kv, keys, D]."""
+    def randn(*size):
+        return torch.randn(*size, generator=generator).to(shape.device, shape.torch_dtype)
+
+    return (randn(1, shape.query_heads, queries, shape.head_dim), randn(1, shape.kv_heads, keys, shape.head_dim),
+            randn(1, shape.kv_heads, keys, shape.head_dim))
+
+
+def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None) -> dict:
+    """One layer's prefill attention over n tokens, gathering `collect`; seconds and working memory."""
+    from evalkit.attention import attention_reference
+
+    device = torch.device(shape.device)
+    q, k, v = _qkv(shape, n, n, torch.Generator().manual_seed(n))
+    positions = torch.arange(n, device=device)[None]  # [1, n]
+    valid = torch.ones(1, n, dtype=torch.bool, device=device)
+    k_pos = positions[:, None, :].expand(1, shape.kv_heads, n)
+    scaling = shape.head_dim ** -0.5
+
+    def call():
+        attention_reference(q, positions, valid, k, v, k_pos, scaling, collect=collect, window=SNAPKV_WINDOW)
+
+    seconds = time_call(call, Clock(device), min_repeats=1 if n >= 4096 else 3)
+    memory = PeakMemory(device)
+    memory.reset()
+    call()  # memory only, after the timing (see PeakMemory)
+    return {"n": n, "collect": collect or "none", "seconds": seconds, **memory.read()}
+
+
+def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -> dict:
+    """A policy's `score` and `select` over n slots of one layer, as `compress` runs them."""
+    from evalkit.policies import ScoreInput, make_policy, resolve_budget
+
+    device = torch.device(shape.device)
+    generator = torch.Generator().manual_seed(n)
+    policy = make_policy(policy_name)
+    keys = torch.randn(1, shape.kv_heads, n, shape.head_dim, generator=generator).to(device, shape.torch_dtype)
+    attention = torch.rand(1, shape.kv_heads, n, generator=generator).to(device)
+    positions = torch.arange(n, device=device).expand(1, shape.kv_heads, n)
+    seen = torch.tensor([n])
+    tokens = resolve_budget(budget, seen)
+    recent = torch.minimum(policy.recent_tokens + (policy.recent_fraction * (tokens - policy.sink_tokens)
+                                                   .clamp(min=0)).long(), tokens)
+
+    def call():
+        scores = policy.score(ScoreInput(keys, positions, attention, 0, 0))
+        policy.select(scores.cpu(), positions.cpu(), seen, tokens, 16, recent)
+
+    return {"policy": policy_name, "n": n, "budget": budget, "kept": int(tokens),
+            "seconds": time_call(call, Clock(device))}
+
+
+def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int) -> dict:
+    """One decode query's attention over a paged layer that saw n tokens and keeps `kept` per KV head
+    (a different random set per head, then compacted): on CUDA the Triton kernel reading the pages in
+    place, elsewhere the layer's `read()` of its pages and the torch reference, as the loop dispatches."""
+    from evalkit.attention import attention_reference
+    from evalkit.cache import PagedLayer
+    from evalkit.kernels import use_triton
+
+    device = torch.device(shape.device)
+    generator = torch.Generator().manual_seed(n + kept)
+    q, k, v = _qkv(shape, 1, n, generator)
+    layer = PagedLayer(1, shape.kv_heads, shape.head_dim, shape.kv_heads * math.ceil(n / block_size), block_size,
+                       shape.torch_dtype, device)
+    layer.append(k, v, torch.arange(n, device=device)[None], torch.ones(1, n, dtype=torch.bool, device=device))
+    view = layer.read()
+    rank = torch.rand(view.pos.shape, generator=generator).to(device).argsort(-1).argsort(-1)  # random per head
+    layer.evict(view.index, (rank < kept) & (view.pos >= 0))
+    layer.compact()
+    q_pos = torch.tensor([[n]], device=device)
+    q_valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+    scaling = shape.head_dim ** -0.5
+
+    triton = use_triton("auto", q)
+
+    def call():
+        if triton:
+            from evalkit.kernels.paged_attention import paged_attention
+
+            table, size, head_tokens = layer.page_table()
+            paged_attention(q, q_pos, layer.k, layer.v, layer.pos, table, head_tokens, size, scaling)
+        else:
+            view = layer.read()
+            attention_reference(q, q_pos, q_valid, view.k, view.v, view.pos, scaling)
+
+    held = int(layer.held_slots()[0]) // shape.kv_heads
+    return {"n": n, "kept": kept, "slots_read": held, "path": "triton" if triton else "torch",
+            "seconds": time_call(call, Clock(device))}
+
+
+# --- the whole set ------------------------------------------------------------------------------
+
+def plan(sizes: list[int], policies: list[str], budget: float, block_size: int) -> list[tuple]:
+    """(component, function, args) for every point, given the prompt sizes and the evicting policies."""
+    sizes = sorted(set(sizes))
+    points = [("prefill_statistics", prefill_statistics_point, (n, collect))
+              for collect in PREFILL_COLLECTS for n in sizes]
+    points += [("selection", selection_point, (policy, n, budget)) for policy in policies for n in sizes]
+    fixed_kept = _fixed_kept(sizes)
+    points += [("decode_attention", decode_attention_point, (n, fixed_kept, block_size)) for n in sizes]
+    longest = sizes[-1]
+    points += [("decode_attention", decode_attention_point, (longest, kept, block_size))
+               for kept in sorted({max(1, round(f * longest)) for f in KEPT_FRACTIONS} - {fixed_kept})]
+    return points
+
+
+def _fixed_kept(sizes: list[int]) -> int:
+    return max(1, round(FIXED_KEPT_FRACTION * min(sizes)))
+
+
+def summarise(results: dict[str, list[dict]], sizes: list[int]) -> dict:
+    """Points grouped per component, with fitted exponents."""
+    prefill = results.get("prefill_statistics", [])
+    selection = results.get("selection", [])
+    decode = results.get("decode_attention", [])
+    summary = {"sizes": sorted(set(sizes)), "prefill_statistics": {"points": prefill, "fits": {}},
+               "selection": {"points": selection, "fits": {}}, "decode_attention": {"points": decode, "fits": {}}}
+    for collect in {p["collect"] for p in prefill}:
+        mine = [p for p in prefill if p["collect"] == collect]
+        summary["prefill_statistics"]["fits"][collect] = {
+            "time": fit_power([p["n"] for p in mine], [p["seconds"] for p in mine]),
+            "working_memory": fit_power([p["n"] for p in mine], [p["working_bytes"] for p in mine]),
+            "time_per_query": fit_power([p["n"] for p in mine], [p["seconds"] / p["n"] for p in mine]),
+        }
+    plain = {p["n"]: p["seconds"] for p in prefill if p["collect"] == "none"}
+    summary["prefill_statistics"]["overhead_over_plain"] = [
+        {"n": p["n"], "collect": p["collect"], "ratio": p["seconds"] / plain[p["n"]]}
+        for p in prefill if p["collect"] != "none" and p["n"] in plain]
+    for policy in {p["policy"] for p in selection}:
+        mine = [p for p in selection if p["policy"] == policy]
+        summary["selection"]["fits"][policy] = fit_power([p["n"] for p in mine], [p["seconds"] for p in mine])
+    if decode:
+        fixed_kept = _fixed_kept(sizes)
+        over_n = [p for p in decode if p["kept"] == fixed_kept]
+        longest = max(p["n"] for p in decode)
+        over_k = [p for p in decode if p["n"] == longest]
+        summary["decode_attention"]["fits"] = {
+            "over_length_at_fixed_kept": fit_power([p["n"] for p in over_n], [p["seconds"] for p in over_n]),
+            "over_kept_at_fixed_length": fit_power([p["kept"] for p in over_k], [p["seconds"] for p in over_k]),
+            "fixed_kept": fixed_kept, "fixed_length": longest,
+        }
+    return summary
