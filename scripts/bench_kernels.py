@@ -86,7 +86,6 @@ def bench_decode(device, batch, contexts, budgets, dtype, launches):
         k_full = torch.randn(batch, H_KV, context, D, dtype=dtype, device=device)
         v_full = torch.randn_like(k_full)
         sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k_full, v_full, enable_gqa=True))
-        del k_full, v_full
         for budget in budgets:
             kept = max(S, int(context * budget))
             k, v, slot_pos, table, head_tokens = paged_cache(batch, kept, context, dtype, device)
@@ -101,7 +100,6 @@ def bench_decode(device, batch, contexts, budgets, dtype, launches):
             rows.append(dict(context=context, budget=budget, kept=kept, batch=batch, decode_ms=ms,
                              stats_ms=stats_ms, sdpa_full_ms=sdpa_ms, gbytes=read / 1e9,
                              bandwidth_tbs=read / ms / 1e9, speedup_vs_sdpa=sdpa_ms / ms))
-            del k, v
     return rows
 
 
@@ -135,7 +133,6 @@ def bench_prefill_stats(device, lengths, dtype, launches):
                          stats_ms=stats_ms, stats_over_flash=stats_ms / flash_ms,
                          attention_and_stats_over_flash=(attention_ms + stats_ms) / flash_ms,
                          stats_extra_bytes=extra, n_by_n_bytes=n * n * 4))
-        del k, v, kd, vd, q
     return rows
 
 

@@ -1,16 +1,15 @@
 """Data tasks: the user's JSONL files and datasets in kvpress's, RULER's and LongBench's formats."""
 
 import json
-import sys
 
 import pytest
 
-from evalkit.cli import main
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
 from evalkit.tasks.custom import RULER_MAX_NEW_TOKENS, DataTask, make_task
 from evalkit.tasks.longbench import LongBenchTask, load_records
 from evalkit.tasks.metrics import METRICS, exact, qa_f1, string_match_all
+from test_cli import evalkit
 
 KVPRESS = [
     {"id": "code-a", "task": "codes", "context": "The code of the blue door is 4817. The weather was mild.",
@@ -208,17 +207,6 @@ def test_make_task_builds_the_data_task_the_config_resolved(tmp_path):
     task = make_task(config)
     assert [s.id for s in task.samples(words, config.length, config.samples, config.seed)] == ["city-a", "city-b"]
     assert task.metric == "string_match_part" and task.sha256 == config.data_sha256
-
-
-def evalkit(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["evalkit", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def bad_files(folder):

@@ -14,24 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.cli import main
+from test_cli import evalkit
 
 EVALKIT = str(Path(sys.executable).parent / "evalkit")
 POLICIES, BUDGETS = ["h2o_head", "snapkv_head", "streaming_llm"], [0.1, 0.3, 0.5]
 GRID = ["--policies", "h2o_head,snapkv,streaming_llm", "--budgets", "0.1,0.3,0.5", "--length", "512",
         "--samples", "2"]
 RUN_ID = re.compile(r"niah_single_2-[a-z0-9_]+-[0-9.]+-[0-9a-f]{8}")
-
-
-def evalkit(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["evalkit", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def run_folders(out: Path) -> dict[str, Path]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from evalkit.kernels.paged_attention import LOG2E, gather_heads
+from evalkit.kernels.paged_attention import LOG2E, reference_scores
 from evalkit.kernels.runtime import INTERPRETED, dot_precision, tl, triton
 
 STATS_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)  # see paged_attention.DECODE_LAUNCH
@@ -117,17 +117,7 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, bl
 def attention_stats_reference(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, block_size, scale,
                               window=0):
     """Float64 torch twin of `attention_stats`: the full probability matrix, then its column sums."""
-    B, H_q, T, D = q.shape
-    H_kv = table.shape[1]
-    G = H_q // H_kv
-    slot = gather_heads(slot_pos, table, head_tokens, block_size)  # [B, H_kv, N]
-    k_pos = torch.where(slot >= 0, slot_pos[slot.clamp(min=0)], -1)
-    k = k_slots[slot.clamp(min=0)].double()
-    scores = torch.einsum("bkgtd,bknd->bkgtn", q.double().reshape(B, H_kv, G, T, D), k) * scale
-    kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
-    allowed = (kp >= 0) & (kp <= qp)
-    if window:
-        allowed &= kp > qp - window
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    scores, _ = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size, scale, window)
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # [B, H_kv, G, T, N]
     probs = probs * counted[:, None, None, :, None]
     return probs.sum(3).mean(2)  # [B, H_kv, N]

@@ -224,35 +224,32 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gather_heads(slots, table, head_tokens, block_size):
-    """[slots, ...] -> [B, H_kv, N, ...] in table order (N = P * S); positions past a head's tokens are
-    returned as slot -1. Shared by the references."""
-    B, H_kv, P = table.shape
+def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size, scale, window=0):
+    """The references' shared first step, in float64: each head's slots gathered in table order, scores
+    of every query against them, masked (-inf) where a query may not read a slot.
+    Returns scores: [B, H_kv, G, T, N] and the gathered slot ids: [B, H_kv, N] (-1 past a head's tokens)."""
+    B, H_q, T, D = q.shape
+    H_kv, P = table.shape[1], table.shape[2]
     n = torch.arange(P * block_size, device=table.device)
     slot = table.long()[:, :, n // block_size] * block_size + n % block_size  # [B, H_kv, N]
     slot = slot.masked_fill(n >= head_tokens.long()[..., None], -1)
-    return slot
+    k_pos = torch.where(slot >= 0, slot_pos[slot.clamp(min=0)], -1)
+    k = k_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
+    scores = torch.einsum("bkgtd,bknd->bkgtn", q.double().reshape(B, H_kv, H_q // H_kv, T, D), k) * scale
+    kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
+    allowed = (kp >= 0) & (kp <= qp)
+    if window:
+        allowed &= kp > qp - window
+    return scores.masked_fill(~allowed, float("-inf")), slot
 
 
 def paged_attention_reference(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, block_size, scale,
                               window=0):
     """Float64 torch twin of `paged_attention`: gather each head's slots, mask, softmax."""
     B, H_q, T, D = q.shape
-    H_kv = table.shape[1]
-    G = H_q // H_kv
-    slot = gather_heads(slot_pos, table, head_tokens, block_size)  # [B, H_kv, N]
-    k_pos = torch.where(slot >= 0, slot_pos[slot.clamp(min=0)], -1)
-    k = k_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
-    v = v_slots[slot.clamp(min=0)].double()
-    qg = q.double().reshape(B, H_kv, G, T, D)
-    scores = torch.einsum("bkgtd,bknd->bkgtn", qg, k) * scale
-    kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
-    allowed = (kp >= 0) & (kp <= qp)
-    if window:
-        allowed &= kp > qp - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores, slot = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size, scale, window)
+    v = v_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
     lse = torch.logsumexp(scores, -1)  # [B, H_kv, G, T]
     probs = torch.exp(scores - lse.clamp(min=-1e300)[..., None]).nan_to_num(0.0)
     out = torch.einsum("bkgtn,bknd->bkgtd", probs, v).reshape(B, H_q, T, D).transpose(1, 2)
     return out, lse.reshape(B, H_q, T)
-
