@@ -18,7 +18,8 @@ def encode(tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": sample.context + tail}],
                                              add_generation_prompt=True, tokenize=False)
         text += sample.answer_prefix
-        split = text.rindex(tail)
+        # Anchored on the context: a bare "\n" (empty question) also occurs in the template's own tail.
+        split = text.rindex(sample.context + tail) + len(sample.context)
         context_ids = tokenizer(text[:split], add_special_tokens=False).input_ids
     else:
         text = sample.context + tail + sample.answer_prefix
