@@ -173,6 +173,7 @@ class PagedLayer(SlotLayer):
         self.null_page = num_pages  # the sentinel page
         self.tables: list[list[list[int]]] = [[[] for _ in range(kv_heads)] for _ in range(batch)]
         self._index: torch.Tensor | None = None
+        self._table: tuple | None = None  # (the slot index it was built from, table, head_tokens)
 
     @property
     def num_real_slots(self) -> int:
@@ -216,10 +217,13 @@ class PagedLayer(SlotLayer):
         self._index = None
 
     def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
-        S = self.block_size
-        table = self.slot_index()[..., ::S] // S  # tables are padded at their end with the sentinel page
-        head_tokens = (table != self.null_page).sum(-1) * S
-        return table.to(torch.int32), S, head_tokens.to(torch.int32)
+        index = self.slot_index()
+        if self._table is None or self._table[0] is not index:  # every layer of every step: built once per table
+            S = self.block_size
+            table = index[..., ::S] // S  # tables are padded at their end with the sentinel page
+            head_tokens = (table != self.null_page).sum(-1) * S
+            self._table = (index, table.to(torch.int32), head_tokens.to(torch.int32))
+        return self._table[1], self.block_size, self._table[2]
 
     def held_slots(self) -> torch.Tensor:
         pages = [sum(len(t) for t in row) for row in self.tables]
@@ -233,6 +237,8 @@ class DenseLayer(SlotLayer):
         super().__init__(batch, kv_heads, head_dim, batch * kv_heads * capacity, 1, dtype, device)
         self.capacity = capacity
         self._index = torch.arange(batch * kv_heads * capacity, device=device).view(batch, kv_heads, capacity)
+        self._table = torch.arange(batch * kv_heads, dtype=torch.int32, device=device).view(batch, kv_heads, 1)
+        self._head_tokens = torch.full((batch, kv_heads), capacity, dtype=torch.int32, device=device)
 
     @property
     def num_real_slots(self) -> int:
@@ -250,9 +256,7 @@ class DenseLayer(SlotLayer):
 
     def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
         """One page per head, the size of its whole buffer."""
-        table = torch.arange(self.batch * self.kv_heads, dtype=torch.int32, device=self.pos.device)
-        tokens = torch.full((self.batch, self.kv_heads), self.capacity, dtype=torch.int32, device=self.pos.device)
-        return table.view(self.batch, self.kv_heads, 1), self.capacity, tokens
+        return self._table, self.capacity, self._head_tokens
 
     def held_slots(self) -> torch.Tensor:
         return torch.full((self.batch,), self.kv_heads * self.capacity, device=self.pos.device)
