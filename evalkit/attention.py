@@ -34,7 +34,7 @@ class ForwardPlan:
     valid: torch.Tensor  # [B, T] False = padding: not stored, not counted in statistics
     collect: str | None = None  # statistic the policy needs: None, "attention" or "window"
     window: int = 0  # queries behind a "window" statistic
-    # Decode-time restriction of what a query reads (Quest): (query [B, H_q, D], keys, positions) -> mask.
+    # Decode-time restriction of what a query reads (Quest): (layer, query [B, H_q, D], keys, positions) -> mask.
     attend_filter: Callable | None = None
     attended: torch.Tensor | None = None  # [B] slots read, summed over layers (when filtered)
     available: torch.Tensor | None = None  # [B] live slots, summed over layers (when filtered)
@@ -125,7 +125,7 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     view = layer.read()
     visible = view.pos
     if plan.attend_filter is not None:
-        read = plan.attend_filter(query[:, :, -1], view.k, view.pos)
+        read = plan.attend_filter(module.layer_idx, query[:, :, -1], view.k, view.pos)
         visible = view.pos.masked_fill(~read, -1)
         plan.attended += read.sum((1, 2)).cpu()
         plan.available += (view.pos >= 0).sum((1, 2)).cpu()

@@ -122,11 +122,10 @@ def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -
     positions = torch.arange(n, device=device).expand(1, shape.kv_heads, n)
     seen = torch.tensor([n])
     tokens = resolve_budget(budget, seen)
-    recent = torch.minimum(policy.recent_tokens + (policy.recent_fraction * (tokens - policy.sink_tokens)
-                                                   .clamp(min=0)).long(), tokens)
+    recent = torch.minimum(policy.recent_count(tokens), tokens)
 
     def call():
-        scores = policy.score(ScoreInput(keys, positions, attention, 0, 0))
+        scores = policy.score(ScoreInput(keys, positions, attention, 0, 0, seen))
         policy.select(scores.cpu(), positions.cpu(), seen, tokens, 16, recent)
 
     return {"policy": policy_name, "n": n, "budget": budget, "kept": int(tokens),

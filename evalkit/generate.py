@@ -17,7 +17,7 @@ import torch
 
 from evalkit.attention import ForwardPlan, evalkit_attention
 from evalkit.cache import KVCache, model_kv_shape
-from evalkit.policies import Policy, ScoreInput, resolve_budget
+from evalkit.policies import PAGE_GRANULARITIES, Policy, ScoreInput, resolve_budget
 
 NO_LIMIT = 1 << 40
 
@@ -60,7 +60,8 @@ class Generation:
 
 
 Observer = Callable[[str, KVCache], None]
-"""Called as observe(event, cache) with event "forward" after every forward and "prefill" once prefill is done."""
+"""Called as observe(event, cache) with event "forward" after every forward, "compressed" after every
+compression (each prefill chunk, each decode step) and "prefill" once prefill is done."""
 
 
 @dataclass
@@ -70,6 +71,7 @@ class _State:
     policy: Policy
     settings: GenerationSettings
     seen: torch.Tensor  # [B] tokens each sequence has fed so far
+    stat_end: torch.Tensor  # [B] tokens seen at the last forward that collected a statistic
     observe: Observer | None = None
     collect: str | None = None  # statistic gathered in the current phase
     attend_filter: Callable | None = None  # decode-time read restriction (Quest)
@@ -99,6 +101,8 @@ def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) ->
                       logits_to_keep=0 if all_logits else 1, evalkit_plan=plan)
     counts = valid.sum(1)
     state.seen += counts
+    if state.collect is not None:
+        state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
     if state.observe:
         state.observe("forward", state.cache)
     if all_logits:
@@ -107,22 +111,30 @@ def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) ->
 
 
 def compress(state: _State, budgets: torch.Tensor) -> None:
-    """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses."""
+    """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses.
+
+    Tokens fed since the last statistic was collected have no score: a policy that needs one
+    keeps them, as the most recent tokens (docs/policies.md).
+    """
     policy = state.policy
+    unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     for layer_idx, layer in enumerate(state.cache.layers):
         budget = budgets[layer_idx]
         if bool((layer.live_counts().cpu() <= budget[:, None]).all()):
             continue
-        recent = policy.recent_tokens + (policy.recent_fraction * (budget - policy.sink_tokens).clamp(min=0)).long()
+        recent = torch.minimum(policy.recent_count(budget) + unscored, budget)
         view = layer.read()
-        scores = policy.score(ScoreInput(view.k, view.pos, view.stats, layer_idx, state.settings.seed))
-        keep = policy.select(scores.cpu(), view.pos.cpu(), state.seen, budget, state.settings.block_size,
-                             torch.minimum(recent, budget))
+        scores = policy.score(ScoreInput(view.k, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
+        keep = policy.select(scores.cpu(), view.pos.cpu(), state.seen, budget, state.settings.block_size, recent)
         layer.evict(view.index, keep.to(view.index.device))
+    if state.observe:
+        state.observe("compressed", state.cache)
 
 
-def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor):
-    """Prefill `compressed` (in chunks when chunked), compressing to `budget` [L, B]; then `appended` as is."""
+def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor,
+            appended_collect: str | None):
+    """Prefill `compressed` (in chunks when chunked), compressing to `budget` [L, B]; then `appended` as is,
+    collecting `appended_collect` for it (the question after compression is read like decoded tokens)."""
     settings = state.settings
     longest = max(len(t) for t in compressed)
     chunk = settings.chunk_size if settings.prefill == "chunked" else longest
@@ -132,6 +144,7 @@ def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]
         logits = step_logits if logits is None else torch.where(counts[:, None] > 0, step_logits, logits)
         compress(state, budget)
     if any(appended):
+        state.collect = appended_collect
         step_logits, counts = forward(state, appended)
         logits = torch.where(counts[:, None] > 0, step_logits, logits)
     state.cache.compact()
@@ -199,15 +212,16 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
 
     with evalkit_attention(model):
         start = time.perf_counter()
+        decode_evicts = bool(evicting.any()) and settings.decode_eviction
+        decode_collect = policy.collect_decode if decode_evicts else None
         state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        logits = prefill(state, compressed, appended, budgets)
+        logits = prefill(state, compressed, appended, budgets, decode_collect)
         prefill_seconds = time.perf_counter() - start
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
 
         start = time.perf_counter()
-        decode_evicts = bool(evicting.any()) and settings.decode_eviction
-        state.collect = policy.collect_decode if decode_evicts else None
+        state.collect = decode_collect
         _restrict_reads(state, budget, lengths, extra)
         outputs, texts = decode(state, logits, requests, tokenizer, eos_ids, budgets + extra, decode_evicts)
         decode_seconds = time.perf_counter() - start
@@ -282,16 +296,17 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
             last[b] = rows[-1].cpu()
 
     with evalkit_attention(model):
+        decode_evicts = bool(evicting.any()) and settings.decode_eviction
+        decode_collect = policy.collect_decode if decode_evicts else None
         state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        logits = prefill(state, compressed, appended, budgets)
+        logits = prefill(state, compressed, appended, budgets, decode_collect)
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
         logprobs = torch.log_softmax(logits, -1)
         for b in range(len(unique)):
             take(b, logprobs[b:b + 1], 0)
 
-        decode_evicts = bool(evicting.any()) and settings.decode_eviction
-        state.collect = policy.collect_decode if decode_evicts else None
+        state.collect = decode_collect
         _restrict_reads(state, budget, lengths, extra)
         stepwise = decode_evicts or (policy.restricts_reads and bool((budget < lengths).any()))
         if stepwise:
@@ -370,7 +385,9 @@ def _budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
     evicting = (budget < lengths) & policy.evicts
     num_layers = model_kv_shape(model.config)[0]
     # A sequence at full budget is never evicted, not even while decoding.
-    budgets = torch.where(evicting, torch.minimum(policy.layer_budgets(budget, num_layers), lengths), NO_LIMIT)
+    budgets = torch.where(evicting, torch.minimum(policy.layer_budgets(budget, lengths, num_layers), lengths), NO_LIMIT)
+    if policy.granularity in PAGE_GRANULARITIES:  # a share below one page keeps one page (docs/policies.md)
+        budgets = torch.maximum(budgets, torch.minimum(lengths, torch.tensor(settings.block_size)))
     return lengths, budget, evicting, budgets
 
 
@@ -382,7 +399,8 @@ def _new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budge
     capacity = int((prefill_peak + after_prefill + 1).max())
     cache = KVCache.create(settings.layout, model.config, len(lengths), capacity, settings.block_size,
                            model.dtype, model.device, settings.pool_pages)
-    return _State(model, cache, settings.policy, settings, torch.zeros(len(lengths), dtype=torch.long), observe)
+    start = torch.zeros(len(lengths), dtype=torch.long)
+    return _State(model, cache, settings.policy, settings, start, start.clone(), observe)
 
 
 def _restrict_reads(state: _State, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:
@@ -390,8 +408,8 @@ def _restrict_reads(state: _State, budget: torch.Tensor, lengths: torch.Tensor, 
     policy, settings = state.policy, state.settings
     if policy.restricts_reads:
         read_budget = torch.where(budget < lengths, budget + extra, NO_LIMIT)
-        state.attend_filter = lambda query, keys, positions: policy.attended_slots(
-            query, keys, positions, read_budget, settings.block_size)
+        state.attend_filter = lambda layer, query, keys, positions: policy.attended_slots(
+            layer, query, keys, positions, read_budget, settings.block_size)
     state.attended, state.available = torch.zeros(len(lengths)), torch.zeros(len(lengths))
 
 

@@ -144,6 +144,8 @@ class SlotLayer:
         """Pack each head's live tokens, in fill order, into its first slots; free what is left."""
         index = self.slot_index()
         live = self.pos[index] >= 0
+        if bool((live.long().cumprod(-1).sum(-1) == live.sum(-1)).all()):
+            return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)  # live slots first
         kept = live.sum(-1, keepdim=True)

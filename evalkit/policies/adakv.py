@@ -9,8 +9,8 @@ from evalkit.policies.snapkv import SnapKV
 class AdaSnapKV(SnapKV):
     """SnapKV's scores with Ada-KV's allocation: one budget per layer, split across KV heads by score.
 
-    A layer keeps budget x H_kv tokens in all; each head first keeps its best
-    `alpha_safeguard` x budget tokens, the rest go to the highest scores of any head. Heads
+    A layer keeps budget x H_kv tokens in all; each head first keeps its protected tokens and
+    its best `alpha_safeguard` x budget tokens, the rest go to the highest scores of any head. Heads
     that attend sharply give up slots to heads that attend broadly, so heads hold different
     numbers of tokens, and with the paged cache the pages they give up are really freed.
     """
@@ -19,6 +19,8 @@ class AdaSnapKV(SnapKV):
     description = "SnapKV scores; one budget per layer split across KV heads by score (adaptive)"
     scorer = "window attention + pooling, adaptive head budgets"
     paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"
+    differs = "at token and page granularity there is one set for all heads, nothing to reallocate: it is SnapKV"
+    cannot_run_at = {"head_page": "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
 
     def select(self, scores, positions, seen, budget, block_size, recent):
         if self.granularity != "head":  # one token set for all heads: nothing to reallocate

@@ -1,16 +1,20 @@
-"""A policy = a scorer + a granularity + protected tokens. It never sees the storage layout."""
+"""A policy = a scorer + a granularity + protected tokens. It never sees the storage layout.
+
+The exact rules (budgets, statistics, protected tokens, selection) are docs/policies.md's.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from evalkit.policies.selection import select_keep
+from evalkit.errors import EvalkitError
+from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, select_keep
 from evalkit.registry import Registry
-
-GRANULARITIES = ("head", "token", "page")
 
 
 @dataclass
@@ -22,6 +26,7 @@ class ScoreInput:
     attention: torch.Tensor  # [B, H_kv, N] accumulated attention statistic (zeros unless collected)
     layer: int
     seed: int
+    stat_end: torch.Tensor | None = None  # [B] tokens seen at the last forward that collected the statistic
 
 
 @dataclass
@@ -34,12 +39,16 @@ class Policy:
     - "attention": every query's softmax probability added to each slot it attends to (H2O);
     - "window": the probability each slot gets from the last `observation_window` queries of
       the forward, replacing the previous value (SnapKV's window; TOVA with a window of 1).
-    Statistics are averaged over the query heads that share a KV head (GQA).
+    Statistics are averaged over the query heads that share a KV head (GQA). A policy whose
+    scorer needs a statistic never evicts a token no statistic has seen: the loop protects them.
+
+    Dataclass fields other than `granularity` and `name` are the policy's hyper-parameters,
+    settable with `--policy-arg KEY=VALUE` (`arg_aliases` adds short names).
     """
 
     granularity: str = "head"
     sink_tokens: int = 0  # the first positions, always kept
-    recent_fraction: float = 0.0  # share of the budget given to the most recent tokens, always kept
+    recent_fraction: float = 0.0  # share of the budget (after sinks) given to the most recent tokens
     recent_tokens: int = 0  # most recent tokens always kept, on top of the fraction (within the budget)
     observation_window: int = 0  # queries behind a "window" statistic
     name: str = field(default="", compare=False)
@@ -47,17 +56,30 @@ class Policy:
     description: ClassVar[str] = ""  # one line for `evalkit policies`
     scorer: ClassVar[str] = ""  # what a token is worth, in a few words
     paper: ClassVar[str] = ""
+    differs: ClassVar[str] = ""  # where evalkit departs from the paper / reference code, on purpose
     saves: ClassVar[str] = "memory"  # or "bandwidth" for policies that evict nothing
     collect_prefill: ClassVar[str | None] = None
     collect_decode: ClassVar[str | None] = None
     evicts: ClassVar[bool] = True  # False: keeps everything whatever the budget
     restricts_reads: ClassVar[bool] = False  # True: `attended_slots` limits what decode queries read
+    cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
+    arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
+    arg_choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # field name -> allowed string values
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         """[B, H_kv, N] higher = keep; empty slots are ignored whatever their score."""
         raise NotImplementedError
 
-    def layer_budgets(self, budget: torch.Tensor, num_layers: int) -> torch.Tensor:
+    @property
+    def needs_statistic(self) -> bool:
+        return self.collect_prefill is not None
+
+    def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
+        """[B] most recent tokens protected at this budget (before clamping to it)."""
+        spare = (budget - self.sink_tokens).clamp(min=0)
+        return self.recent_tokens + (self.recent_fraction * spare).long()
+
+    def layer_budgets(self, budget: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
         """[L, B] tokens per KV head for each layer; uniform unless an allocator says otherwise."""
         return budget.expand(num_layers, -1)
 
@@ -65,17 +87,36 @@ class Policy:
         """[B, H_kv, N] bool: the slots to keep (the shared selection at this policy's granularity)."""
         return select_keep(scores, positions, seen, budget, self.granularity, block_size, self.sink_tokens, recent)
 
-    def attended_slots(self, query, keys, positions, budget, block_size) -> torch.Tensor | None:
+    def attended_slots(self, layer, query, keys, positions, budget, block_size) -> torch.Tensor | None:
         """For policies that restrict what a decode query reads (Quest): [B, H_kv, N] bool, else None."""
         return None
+
+    def check(self) -> None:
+        """Raise EvalkitError when a hyper-parameter is out of range."""
+        if self.sink_tokens < 0 or self.recent_tokens < 0 or self.observation_window < 0:
+            raise EvalkitError(f"{self.name}: sink_tokens, recent_tokens and observation_window must be >= 0")
+        if not 0 <= self.recent_fraction <= 1:
+            raise EvalkitError(f"{self.name}: recent_fraction must be in [0, 1], got {self.recent_fraction}")
+
+    def check_budget(self, budget: float | int, block_size: int, length: int) -> None:
+        """Refuse a budget below one page at a page granularity (it could keep no whole page)."""
+        if self.granularity not in PAGE_GRANULARITIES or not self.evicts:
+            return
+        tokens = int(budget) if budget > 1 else math.ceil(round(budget * length, 9))
+        if tokens < min(block_size, length):
+            raise EvalkitError(
+                f"budget {budget} keeps {tokens} tokens per head of {length}, less than one page: at granularity "
+                f"{self.granularity} the smallest budget is {block_size} tokens (block size) or "
+                f"{block_size / length:.4g} of --length {length}")
 
 
 POLICIES: Registry[Policy] = Registry("policy")
 
 
-def register_presets(cls: type[Policy], base: str, aliases: dict[str, tuple[str, ...]] | None = None, **fields):
-    """Register `<base>_head` (alias `<base>`), `<base>_token`, `<base>_page` presets of one scorer."""
-    aliases = {"head": (base,), **(aliases or {})}
+def register_presets(cls: type[Policy], base: str, default: str = "head",
+                     aliases: dict[str, tuple[str, ...]] | None = None, **fields):
+    """Register `<base>_<granularity>` for every granularity; `base` itself names the `default` one."""
+    aliases = {default: (base,), **(aliases or {})}
     for granularity in GRANULARITIES:
         name = f"{base}_{granularity}"
         POLICIES.register(
@@ -85,11 +126,59 @@ def register_presets(cls: type[Policy], base: str, aliases: dict[str, tuple[str,
         )
 
 
-def make_policy(name: str, granularity: str | None = None) -> Policy:
+def make_policy(name: str, granularity: str | None = None, args: dict[str, str] | None = None) -> Policy:
+    """The registered policy `name`, at `granularity` if given, with hyper-parameters `args` (strings)."""
     policy = POLICIES.create(name)
     if granularity is not None:
+        if granularity not in GRANULARITIES:
+            raise EvalkitError(f"unknown granularity {granularity!r}; choose from {', '.join(GRANULARITIES)}")
+        if granularity in policy.cannot_run_at:
+            raise EvalkitError(f"{policy.name} cannot run at granularity {granularity}: "
+                               f"{policy.cannot_run_at[granularity]}")
         policy.granularity = granularity
+    if args:
+        policy = dataclasses.replace(policy, **_parse_args(policy, args))
+    policy.check()
     return policy
+
+
+def policy_args(policy: Policy) -> dict[str, type]:
+    """The hyper-parameters `--policy-arg` may set, with their types."""
+    hints = {f.name: type(getattr(policy, f.name)) for f in dataclasses.fields(policy) if f.init}
+    return {name: kind for name, kind in hints.items() if name not in ("granularity", "name")}
+
+
+def _parse_args(policy: Policy, args: dict[str, str]) -> dict:
+    known = policy_args(policy)
+    parsed = {}
+    for key, text in args.items():
+        name = policy.arg_aliases.get(key, key)
+        if name not in known:
+            names = sorted([*known, *policy.arg_aliases])
+            raise EvalkitError(f"{policy.name} has no policy-arg {key!r}; it takes: {', '.join(names)}")
+        parsed[name] = _parse_value(policy, key, name, str(text).strip(), known[name])
+    return parsed
+
+
+def _parse_value(policy: Policy, key: str, name: str, text: str, kind: type):
+    try:
+        if kind is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return text.lower() in ("true", "1", "yes")
+        if kind is int:
+            return int(text)
+        if kind is float:
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise EvalkitError(f"{policy.name}: policy-arg {key} must be {kind.__name__}, got {text!r}") from None
+    choices = policy.arg_choices.get(name)
+    if choices and text not in choices:
+        raise EvalkitError(f"{policy.name}: policy-arg {key} must be one of {', '.join(choices)}, got {text!r}")
+    return text
 
 
 def resolve_budget(budget: float, lengths: torch.Tensor) -> torch.Tensor:

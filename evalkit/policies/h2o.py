@@ -12,17 +12,23 @@ class H2O(Policy):
     The statistic is the sum over every query so far (prompt column sums, then one row
     per decoded token) of the softmax probability the token received, averaged over the
     query heads that share its KV head. Half the budget goes to the recent window, as in
-    the paper's default (heavy ratio = recent ratio).
+    the paper's default (heavy ratio = recent ratio). `normalize=true` divides the sum by
+    the number of queries that could see the token (kvpress's ObservedAttention).
     """
 
     recent_fraction: float = 0.5
+    normalize: bool = False
     description = "accumulated attention (heavy hitters) + recent window (half the budget)"
     scorer = "accumulated attention"
     paper = "H2O: Heavy-Hitter Oracle (arXiv:2306.14048)"
     collect_prefill = collect_decode = "attention"
+    arg_aliases = {"recent": "recent_fraction"}
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return inp.attention
+        if not self.normalize:
+            return inp.attention
+        queries = (inp.stat_end.to(inp.positions.device)[:, None, None] - inp.positions).clamp(min=1)
+        return inp.attention / queries
 
 
 register_presets(H2O, "h2o", aliases={"token": ("h2o_block1",)})

@@ -12,27 +12,34 @@ class Quest(Policy):
     Pages are `block_size` consecutive positions. A page's bound for a query is
     sum_d max(q_d * min_d, q_d * max_d) over the per-channel min and max of its keys, an
     upper bound on any q.k inside it; the query heads of a KV head add their bounds. Each
-    step attends to the top ceil(budget / block_size) pages of each KV head (at `token` or
-    `page` granularity: the same pages for every head), the page of the newest token
-    always among them. Memory is the full cache; what it saves is bandwidth.
+    step attends to the top max(3, ceil(budget / block_size)) pages of each KV head (at
+    `token` granularity: the same pages for every head), the page of the newest token always
+    among them; the first two layers read everything, as in the published code. Memory is the
+    full cache; what it saves is bandwidth.
     """
 
     granularity: str = "head"
+    dense_layers: int = 2
+    min_pages: int = 3
     description = "no eviction; each decode step attends only to the top pages by query-aware key bounds"
     scorer = "per-page key min/max bound"
     paper = "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference (arXiv:2406.10774)"
     evicts = False
     restricts_reads = True
     saves = "bandwidth"
+    cannot_run_at = {g: "Quest evicts nothing and already reads whole pages; use quest (per head) or quest_token"
+                     for g in ("page", "head_page")}
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return torch.zeros_like(inp.attention)
 
-    def attended_slots(self, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+    def attended_slots(self, layer: int, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                        budget: torch.Tensor, block_size: int) -> torch.Tensor:
         """[B, H_kv, N] bool: the slots one decode query reads. query: [B, H_q, D]; keys: [B, H_kv, N, D]."""
         B, H_kv, N, D = keys.shape
         live = positions >= 0
+        if layer < self.dense_layers:
+            return live
         page = torch.where(live, positions // block_size, 0)  # [B, H_kv, N]
         n_pages = int(page.max()) + 1
         lo = torch.full((B, H_kv, n_pages, D), float("inf"), device=keys.device).scatter_reduce(
@@ -49,7 +56,7 @@ class Quest(Policy):
         bound = bound.scatter(2, newest[..., None], float("inf"))
         order = torch.sort(bound, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_pages, device=keys.device).expand_as(order))
-        pages_kept = -(-budget.to(keys.device) // block_size)  # [B]
+        pages_kept = (-(-budget.to(keys.device) // block_size)).clamp(min=self.min_pages)  # [B]
         chosen = present & (rank < pages_kept[:, None, None])  # [B, H_kv, P]
         return live & chosen.gather(2, page)
 

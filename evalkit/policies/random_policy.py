@@ -16,9 +16,10 @@ class RandomPolicy(Policy):
         B, H, _ = inp.positions.shape
         span = int(inp.positions.max()) + 1
         generator = torch.Generator().manual_seed(inp.seed * 100_003 + inp.layer)
-        # Drawn position-major so a token keeps its priority as the sequence grows.
-        priority = torch.rand(span, B, H, generator=generator).permute(1, 2, 0).to(inp.positions.device)
-        return priority.gather(2, inp.positions.clamp(min=0))
+        # Drawn position-major so a token keeps its priority as the sequence grows, and the same for
+        # every sequence of a batch, so a sample's tokens do not depend on its batch.
+        priority = torch.rand(span, H, generator=generator).T.to(inp.positions.device)  # [H, span]
+        return priority.expand(B, H, span).gather(2, inp.positions.clamp(min=0))
 
 
 POLICIES.register("random", lambda: RandomPolicy(name="random"))

@@ -2,7 +2,10 @@
 
 Selection works in position space (`[B, H_kv, T]`, T = tokens seen), so it is
 independent of where the storage put each token: the same scores keep the same
-tokens on every layout. Ties go to the earlier position.
+tokens on every layout. The rules are docs/policies.md's: a unit (head, token,
+page) is kept in the order sinks (ascending), other protected positions (most
+recent first), then the rest by score (highest first, ties to the earlier
+position), until the budget is spent — protected tokens count against it.
 """
 
 from __future__ import annotations
@@ -10,19 +13,32 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+GRANULARITIES = ("head", "token", "page", "head_page")
+PAGE_GRANULARITIES = ("page", "head_page")
+
+# Tiers of the keep order; within a tier the secondary key decides (ascending).
+SINK, PROTECTED, RANKED, ABSENT = 0, 1, 2, 3
 
 
-def _rank_keep(key: torch.Tensor, present: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """Keep the `budget[b]` highest keys of each row among present entries; key: [B, ..., T]."""
-    key = key.masked_fill(~present, NEG_INF)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(key.shape[-1]).expand_as(order))
-    shape = (-1,) + (1,) * (key.dim() - 1)
-    return present & (rank < budget.view(shape))
+def _rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
+    """Rank (0 = kept first) of each entry along the last dim, by (tier, secondary, index), all ascending."""
+    order = torch.argsort(secondary, dim=-1, stable=True)
+    order = order.gather(-1, torch.argsort(tier.gather(-1, order), dim=-1, stable=True))
+    steps = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, steps)
+
+
+def _keep_order(scores, present, sink, protected, index):
+    """(tier, secondary) of the keep order; `index` is the unit's position (or page) number."""
+    tier = torch.full_like(index, RANKED).masked_fill(protected, PROTECTED).masked_fill(sink, SINK)
+    tier = tier.masked_fill(~present, ABSENT)
+    index = index.double()
+    secondary = torch.where(sink, index, torch.where(protected, -index, -scores.double()))
+    return tier, secondary.masked_fill(~present, 0.0)
 
 
 def _position_space(scores, positions, seen, sink_tokens, recent):
-    """Scores laid out by position: (scores [B, H, T], present [B, H, T], protected [B, T], col, live)."""
+    """Scores laid out by position: (scores [B, H, T], present [B, H, T], sink, protected [B, T], col, live)."""
     B, H, _ = scores.shape
     T = int(seen.max())
     live = positions >= 0
@@ -31,8 +47,9 @@ def _position_space(scores, positions, seen, sink_tokens, recent):
     present = torch.zeros(B, H, T + 1, dtype=torch.bool).scatter(2, col, live)
     t = torch.arange(T)
     recent = torch.zeros_like(seen) if recent is None else recent
-    protected = (t < sink_tokens) | (t >= (seen - recent)[:, None])  # [B, T]
-    return pos_scores[..., :T], present[..., :T], protected, col, live
+    sink = (t < sink_tokens).expand(B, T)
+    protected = sink | (t >= (seen - recent)[:, None])  # [B, T]
+    return pos_scores[..., :T], present[..., :T], sink, protected, col, live
 
 
 def _to_slots(keep: torch.Tensor, col: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -48,21 +65,23 @@ def select_keep(
     granularity: str,
     block_size: int = 16,
     sink_tokens: int = 0,
-    recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept
+    recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept (within the budget)
 ) -> torch.Tensor:
     """[B, H_kv, N] bool: the live slots to keep."""
-    pos_scores, present, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
+    pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
+    B, H, T = pos_scores.shape
+    position = torch.arange(T).expand(B, H, T)
     if granularity == "head":
-        key = pos_scores.masked_fill(protected[:, None, :], float("inf"))
-        keep = _rank_keep(key, present, budget) | (present & protected[:, None, :])
+        tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
+        keep = present & (_rank(tier, secondary) < budget[:, None, None])
     elif granularity == "token":
         token_present = present.any(1)  # [B, T]
         token_score = pos_scores.masked_fill(~present, 0).sum(1) / present.sum(1).clamp(min=1)
-        key = token_score.masked_fill(protected, float("inf"))
-        keep_token = _rank_keep(key, token_present, budget) | (token_present & protected)
-        keep = present & keep_token[:, None, :]
-    elif granularity == "page":
-        keep = present & _keep_pages(pos_scores, present, protected, budget, block_size)[:, None, :]
+        tier, secondary = _keep_order(token_score, token_present, sink, protected, position[:, 0])
+        keep = present & (_rank(tier, secondary) < budget[:, None])[:, None, :]
+    elif granularity in PAGE_GRANULARITIES:
+        keep = present & _keep_pages(pos_scores, present, sink, protected, seen, budget, block_size,
+                                     per_head=granularity == "head_page")
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
     return _to_slots(keep, col, live)
@@ -72,39 +91,76 @@ def select_adaptive(scores, positions, seen, budget, alpha_safeguard: float = 0.
                     recent=None) -> torch.Tensor:
     """Ada-KV's allocation: a layer keeps `budget[b] * H_kv` tokens in all, split across heads by score.
 
-    Each head first keeps its best ceil(alpha_safeguard * budget) tokens and its protected ones;
-    the rest of the layer's budget goes to the highest remaining scores of any head.
+    Each head first keeps its protected tokens (at most its budget, in the keep order) and its best
+    ceil(alpha_safeguard * budget); the rest of the layer's budget goes to the highest remaining
+    scores of any head (ties: lower head, earlier position).
     """
-    pos_scores, present, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
+    pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
     B, H, T = pos_scores.shape
-    key = pos_scores.masked_fill(protected[:, None, :], float("inf"))
-    floor = torch.ceil(budget.double() * alpha_safeguard).long()
-    forced = _rank_keep(key, present, floor) | (present & protected[:, None, :])
-    left = (budget * H - forced.sum((1, 2))).clamp(min=0)
-    chosen = _rank_keep(key.masked_fill(forced, NEG_INF).view(B, H * T), (present & ~forced).view(B, H * T), left)
-    return _to_slots(forced | chosen.view(B, H, T), col, live)
+    tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T).expand(B, H, T))
+    n_protected = (present & protected[:, None]).sum(-1)  # [B, H]
+    head_budget = budget[:, None]
+    floor = torch.ceil(budget.double() * alpha_safeguard).long()[:, None]
+    forced_count = torch.maximum(torch.minimum(n_protected, head_budget), torch.minimum(floor, head_budget))
+    forced = present & (_rank(tier, secondary) < forced_count[..., None])
+    left = (budget * H - forced.sum((1, 2))).clamp(min=0)  # [B]
+    pool = present & ~forced
+    pool_tier = torch.where(pool, RANKED, ABSENT).view(B, H * T)
+    pool_rank = _rank(pool_tier, (-pos_scores.double()).masked_fill(~pool, 0.0).view(B, H * T))
+    chosen = pool & (pool_rank < left[:, None]).view(B, H, T)
+    return _to_slots(forced | chosen, col, live)
 
 
-def _keep_pages(pos_scores, present, protected, budget, block_size) -> torch.Tensor:
-    """[B, T] keep whole pages of `block_size` consecutive positions, shared by all heads.
-
-    Pages are ranked by mean token score (protected pages first) and taken while the
-    tokens they hold fit in the budget.
-    """
+def _keep_pages(pos_scores, present, sink, protected, seen, budget, block_size, per_head: bool) -> torch.Tensor:
+    """Whole pages of `block_size` consecutive positions: [B, 1, T] shared by all heads (`page`) or
+    [B, H, T] per head (`head_page`). Greedy fill in the keep order: take each page whose tokens
+    still fit in the budget, skip the others."""
     B, H, T = pos_scores.shape
-    n_pages = -(-T // block_size)
-    pad = n_pages * block_size - T
-    token_present = torch.nn.functional.pad(present.any(1), (0, pad))  # [B, T']
-    token_sum = torch.nn.functional.pad(pos_scores.masked_fill(~present, 0).sum(1), (0, pad))
-    heads = torch.nn.functional.pad(present.sum(1), (0, pad))
-    page_tokens = token_present.view(B, n_pages, block_size).sum(-1)
-    page_score = token_sum.view(B, n_pages, block_size).sum(-1) / heads.view(B, n_pages, block_size).sum(-1).clamp(min=1)
-    page_protected = (torch.nn.functional.pad(protected, (0, pad)) & token_present).view(B, n_pages, block_size).any(-1)
-    page_present = page_tokens > 0
+    S = block_size
+    P = -(-T // S)
+    pad = P * S - T
 
-    key = page_score.masked_fill(page_protected, float("inf")).masked_fill(~page_present, NEG_INF)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    taken = page_tokens.gather(1, order).cumsum(1)  # tokens held if pages are taken in rank order
-    fits = torch.zeros_like(page_present).scatter(1, order, taken <= budget[:, None])
-    keep_page = page_present & (fits | page_protected)
-    return keep_page.repeat_interleave(block_size, dim=1)[:, :T]
+    def by_page(x: torch.Tensor) -> torch.Tensor:  # [..., T] -> [..., P, S]
+        return torch.nn.functional.pad(x, (0, pad)).view(*x.shape[:-1], P, S)
+
+    if per_head:
+        held = by_page(present)  # [B, H, P, S]
+        score_sum = by_page(pos_scores.masked_fill(~present, 0)).sum(-1)
+        pairs = held.sum(-1)
+        tokens = pairs  # [B, H, P]
+        sink_p, protected_p = by_page(sink)[:, None], by_page(protected)[:, None]  # [B, 1, P, S]
+    else:
+        held = by_page(present.any(1))  # [B, P, S]
+        score_sum = by_page(pos_scores.masked_fill(~present, 0).sum(1)).sum(-1)
+        pairs = by_page(present.sum(1)).sum(-1)  # (head, token) pairs held
+        tokens = held.sum(-1)  # [B, P]
+        sink_p, protected_p = by_page(sink), by_page(protected)
+    page_score = score_sum / pairs.clamp(min=1)
+    page_present = tokens > 0
+    page_sink = (held & sink_p).any(-1)
+    page_protected = (held & protected_p).any(-1)
+    # The page being filled is never evicted: the next token of the sequence goes into it.
+    filling = torch.where(seen % S != 0, (seen - 1) // S, -1)  # [B]
+    page = torch.arange(P)
+    page_protected |= (page == filling[:, None]).view(B, *(1,) * (page_score.dim() - 2), P) & page_present
+
+    page_index = page.expand_as(page_score)
+    tier, secondary = _keep_order(page_score, page_present, page_sink, page_protected, page_index)
+    order = torch.argsort(_rank(tier, secondary), dim=-1)  # page ids in keep order
+    count = tokens.gather(-1, order)
+    remaining = budget.view(B, *(1,) * (count.dim() - 1)).clone()
+    candidate = count > 0
+    taken = torch.zeros_like(candidate)
+    while True:
+        # Candidates in order whose running total still fits form a prefix; the first that does not fit
+        # is skipped, and so is every later page at least as large, since the room only shrinks.
+        running = torch.where(candidate, count, 0).cumsum(-1)
+        fits = candidate & (running <= remaining)
+        taken |= fits
+        remaining = remaining - torch.where(fits, count, 0).sum(-1, keepdim=True)
+        candidate &= ~fits & (count <= remaining)
+        if not bool(candidate.any()):
+            break
+    keep_page = torch.zeros_like(taken).scatter(-1, order, taken)
+    keep = keep_page.repeat_interleave(S, dim=-1)[..., :T]
+    return keep if per_head else keep[:, None, :]

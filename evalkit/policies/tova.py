@@ -10,11 +10,14 @@ class TOVA(Policy):
     """Token Omission Via Attention: keep what the latest query attends to most.
 
     The statistic is the last query's softmax probability per slot, averaged over the query
-    heads of each KV head (TOVA's definition), replaced at every forward; decoding with
-    eviction therefore drops, each step, the token the current query needs least.
+    heads of each KV head, replaced at every forward; decoding with eviction therefore drops,
+    each step, the token the current query needs least. As published (paper, official code,
+    kvpress) TOVA keeps one token set per layer from the attention averaged over all heads:
+    that is `tova` = `tova_token`; `tova_head` is the per-KV-head variant.
     """
 
-    description = "attention of the latest query (averaged over the group's heads); one eviction per step"
+    granularity: str = "token"
+    description = "attention of the latest query, averaged over all heads (one set per layer); one eviction per step"
     scorer = "last-query attention"
     paper = "Transformers are Multi-State RNNs (TOVA, arXiv:2401.06104)"
     collect_prefill = collect_decode = "window"
@@ -24,4 +27,4 @@ class TOVA(Policy):
         return inp.attention
 
 
-register_presets(TOVA, "tova")
+register_presets(TOVA, "tova", default="token")
