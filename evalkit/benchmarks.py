@@ -73,16 +73,19 @@ class Cell:
     budget: float | int
     layout: str  # "paged", "dense"; HF's own cache for the baseline
     length: int  # prompt + new tokens
+    granularity: str | None = None  # None: the policy's own
 
     @property
     def key(self) -> str:
-        return f"{self.loop}/{self.policy}/{self.budget}/{self.layout}/{self.length}"
+        key = f"{self.loop}/{self.policy}/{self.budget}/{self.layout}/{self.length}"
+        return key + (f"/{self.granularity}" if self.granularity else "")
 
     @property
     def label(self) -> str:
         if self.loop == HF_LOOP:
             return "HF generate"
-        return self.policy if self.policy == FULL else f"{self.policy} @ {self.budget}"
+        name = self.policy + (f"[{self.granularity}]" if self.granularity else "")
+        return name if self.policy == FULL else f"{name} @ {self.budget}"
 
 
 # --- isolation and clocks -----------------------------------------------------------------------
@@ -280,17 +283,22 @@ def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: C
             storage["bytes"] = sum(layer.num_real_slots * layer.token_bytes for layer in cache.layers)
 
     requests = [Request(p.context_ids, p.question_ids, settings.new_tokens) for p in prompts]
-    gen_settings = GenerationSettings(make_policy(cell.policy), budget=cell.budget, layout=cell.layout,
+    gen_settings = GenerationSettings(make_policy(cell.policy, cell.granularity), budget=cell.budget, layout=cell.layout,
                                       block_size=settings.block_size, seed=settings.seed,
                                       decode_eviction=settings.decode_eviction)
     start = clock.mark()
     generations = generate(model, None, requests, gen_settings, observe=observe)
     stop = clock.mark()
 
-    at_prefill = [event for event, _ in marks].index("prefill")
-    prompt_forward_done = marks[at_prefill - 1][1]  # the last prefill forward (one: prefill is "full")
+    events = [event for event, _ in marks]
+    at_prefill = events.index("prefill")
+    prompt_forward_done = marks[events.index("forward")][1]  # the prompt's one forward (prefill is "full")
     prefill_done = marks[at_prefill][1]
-    decode_marks = [prefill_done] + [mark for _, mark in marks[at_prefill + 1:]]
+    decoding = marks[at_prefill + 1:]
+    # A decode step runs from one forward's end to the next's; with eviction "compressed" follows each forward.
+    decode_marks = [prefill_done] + [mark for event, mark in decoding if event == "forward"]
+    evictions = [clock.seconds(a, b) for (e, a), (f, b) in zip(decoding, decoding[1:])
+                 if e == "forward" and f == "compressed"]
     first = generations[0]
     return {
         "prefill_seconds": clock.seconds(start, prompt_forward_done),
@@ -298,6 +306,7 @@ def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: C
         "decode_seconds": clock.seconds(prefill_done, stop),
         "total_seconds": clock.seconds(start, stop),
         "decode_steps": [clock.seconds(a, b) for a, b in zip(decode_marks, decode_marks[1:])],
+        "decode_evictions": evictions,
         "generate_timing": {k: v for k, v in first.timing.items() if k.endswith("seconds")},
         "token_ids": first.token_ids,
         "new_tokens": sum(len(g.token_ids) for g in generations),
@@ -400,6 +409,8 @@ def summarise(cell: Cell, runs: list[dict], memory: dict, device: str, threads: 
     if cell.loop == EVALKIT_LOOP:
         row.update({key: last[key] for key in ("kept_tokens", "bytes_held", "bytes_ideal", "bytes_full",
                                                 "storage_bytes")})
+        evictions = [e for r in runs for e in r["decode_evictions"]]
+        row["decode_eviction_seconds"] = statistics.median(evictions) if evictions else 0.0
         row["held_over_ideal"] = last["bytes_held"] / last["bytes_ideal"]
         row["held_over_full"] = last["bytes_held"] / last["bytes_full"]
     return row
@@ -407,14 +418,17 @@ def summarise(cell: Cell, runs: list[dict], memory: dict, device: str, threads: 
 
 # --- the grid and the comparisons -----------------------------------------------------------------
 
-def grid(policies: list[str], budgets: list, layouts: list[str], lengths: list[int]) -> list[Cell]:
-    """Per length: HF's baseline, the full cache on every layout, then every policy × budget × layout."""
+def grid(policies: list[str], budgets: list, layouts: list[str], lengths: list[int],
+         granularities: list[str | None] = (None,)) -> list[Cell]:
+    """Per length: HF's baseline, the full cache on every layout, then every policy × granularity × budget ×
+    layout (granularity None: the policy's own)."""
     cells = []
     for length in lengths:
         cells.append(Cell(HF_LOOP, HF_LOOP, 1.0, "hf", length))
         cells += [Cell(EVALKIT_LOOP, FULL, 1.0, layout, length) for layout in layouts]
-        cells += [Cell(EVALKIT_LOOP, policy, budget, layout, length)
-                  for policy in policies if policy != FULL for budget in budgets for layout in layouts]
+        cells += [Cell(EVALKIT_LOOP, policy, budget, layout, length, granularity)
+                  for policy in policies if policy != FULL for granularity in granularities
+                  for budget in budgets for layout in layouts]
     return cells
 
 

@@ -1,21 +1,42 @@
-"""Each policy's definition pinned on a hand-computed example, and the zoo's shared promises."""
+"""Each policy's definition pinned on a hand-computed example, and the zoo's shared promises.
 
+The rules are docs/policies.md's. Tests marked "fails on the pre-fix code" were run against the commit
+before the definition fixes of issue 14 (a separate worktree) and failed there; they pass now.
+"""
+
+import dataclasses
+import functools
 import math
 
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import tiny_config, tiny_model
+from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, generate
-from evalkit.policies import POLICIES, ScoreInput, make_policy, select_adaptive
+from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES, POLICIES, ScoreInput, make_policy, select_keep
 
 
-def score_input(attention=None, keys=None, positions=None):
+def score_input(attention=None, keys=None, positions=None, stat_end=None, layer=0, seed=0):
     attention = torch.as_tensor(attention, dtype=torch.float32) if attention is not None else None
-    B, H, N = (attention if attention is not None else keys[..., 0]).shape
+    shaped = next(x for x in (attention, positions, keys[..., 0] if keys is not None else None) if x is not None)
+    B, H, N = shaped.shape
     positions = positions if positions is not None else torch.arange(N).expand(B, H, N)
     keys = keys if keys is not None else torch.zeros(B, H, N, 4)
-    return ScoreInput(keys, positions, attention if attention is not None else torch.zeros(B, H, N), 0, 0)
+    inp = ScoreInput(keys, positions, attention if attention is not None else torch.zeros(B, H, N), layer, seed)
+    # Set after construction (not as a keyword) so that the same test runs on the pre-fix code, which had no
+    # stat_end, and fails on its assertion rather than on a TypeError.
+    inp.stat_end = torch.as_tensor(stat_end) if stat_end is not None else None
+    return inp
+
+
+def by_slot(by_position, positions):
+    return [[[by_position[p] for p in row] for row in rows] for rows in positions.tolist()]
+
+
+def test_score_input_has_a_stat_end_field():
+    fields = {f.name: f for f in dataclasses.fields(ScoreInput)}
+    assert "stat_end" in fields and fields["stat_end"].default is None
 
 
 def test_knorm_scores_keys_by_negative_norm():
@@ -24,58 +45,289 @@ def test_knorm_scores_keys_by_negative_norm():
     assert scores[0, 0].tolist() == pytest.approx([-5.0, -1.0, -10.0, -math.sqrt(2)])
 
 
-def test_snapkv_max_pools_window_attention_over_neighbouring_positions():
+# --- SnapKV ------------------------------------------------------------------------------------
+
+def snapkv(window, kernel, pooling="max"):
     policy = make_policy("snapkv")
-    policy.kernel_size = 3
-    # positions 0..7 stored out of order: pooling follows positions, not slots
-    positions = torch.tensor([[[3, 0, 1, 2, 7, 6, 5, 4]]])
-    by_position = [0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    attention = [[[by_position[p] for p in positions[0, 0].tolist()]]]
-    scores = policy.score(score_input(attention, positions=positions))
-    pooled = [0.0, 5.0, 5.0, 5.0, 0.0, 1.0, 1.0, 1.0]  # max over p-1, p, p+1
-    assert scores[0, 0].tolist() == [pooled[p] for p in positions[0, 0].tolist()]
-    assert policy.recent_tokens == policy.observation_window == 32
+    # attributes, not --policy-arg, so the test also runs on the pre-fix code
+    policy.observation_window, policy.kernel_size, policy.pooling = window, kernel, pooling
+    return policy
 
 
-def test_pyramidkv_budgets_shrink_linearly_and_keep_the_total():
-    budgets = make_policy("pyramidkv").layer_budgets(torch.tensor([100]), 4)
-    # beta 20: last layer 100/20 = 5, first 2*100 - 5 = 195, then 195 - 190 * l / 3
-    assert budgets[:, 0].tolist() == [195, 132, 68, 5]
-    assert int(budgets.sum()) == 400
+def test_snapkv_max_pools_the_prefix_over_neighbouring_positions_whatever_the_storage_order():
+    # window 2, stat_end 10: prefix = positions 0..7, window = 8, 9 (protected, scored 0)
+    positions = torch.tensor([[[3, 0, 9, 1, 2, 8, 7, 6, 5, 4]]])  # stored out of order: pooling follows positions
+    attention = by_slot([0, 0, 5, 0, 0, 0, 1, 0, 0, 0], positions)
+    scores = snapkv(2, 3).score(score_input(attention, positions=positions, stat_end=[10]))
+    pooled = [0, 5, 5, 5, 0, 1, 1, 1, 0, 0]  # max over p-1, p, p+1 within the prefix
+    assert scores.tolist() == by_slot(pooled, positions)
 
 
-def test_adaptive_selection_splits_a_layer_budget_across_heads_by_score():
-    # Two heads, budget 2 per head -> 4 for the layer; safeguard 0.5 -> each head keeps its best 1 first.
-    scores = torch.tensor([[[9.0, 8.0, 7.0, 0.0], [1.0, 0.0, 0.5, 0.2]]])
+def test_snapkv_pooling_does_not_spread_window_attention_onto_the_positions_before_the_window():
+    # Definition fix (issue 14, item 5); fails on the pre-fix code, which pooled over the window too and gave
+    # position 7 the window's 7 (max) or (1 + 0 + 7) / 3 (avg).
+    positions = torch.arange(10).view(1, 1, 10)
+    attention = [[[0, 0, 0, 0, 0, 0, 1, 0, 7, 3]]]  # window (stat_end 10, w 2) = positions 8, 9
+    scores = snapkv(2, 3, "max").score(score_input(attention, positions=positions, stat_end=[10]))
+    assert scores.tolist() == [[[0, 0, 0, 0, 0, 1, 1, 1, 0, 0]]]
+    # avg pooling, padding and the window counted as zeros: (0 + 1 + 0) / 3 at 5, 6, 7
+    scores = snapkv(2, 3, "avg").score(score_input(attention, positions=positions, stat_end=[10]))
+    assert scores.flatten().tolist() == pytest.approx([0, 0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3, 0, 0])
+    # per row: row 1 has seen 8 at its last statistic -> prefix 0..5; position 6 is its window
+    attention = [[[0, 0, 0, 0, 0, 0, 1, 0, 7, 3]], [[0, 0, 0, 0, 0, 2, 9, 9, 0, 0]]]
+    scores = snapkv(2, 3).score(score_input(attention, positions=torch.arange(10).expand(2, 1, 10),
+                                            stat_end=[10, 8]))
+    assert scores.tolist() == [[[0, 0, 0, 0, 0, 1, 1, 1, 0, 0]], [[0, 0, 0, 0, 2, 2, 0, 0, 0, 0]]]
+
+
+def test_snapkv_protects_its_window_on_top_of_the_recent_share():
+    assert make_policy("snapkv").recent_count(torch.tensor([100, 10])).tolist() == [32, 32]
+    assert make_policy("snapkv", args={"window": "64"}).recent_count(torch.tensor([100])).tolist() == [64]
+
+
+# --- PyramidKV ---------------------------------------------------------------------------------
+
+def test_pyramidkv_layer_budgets_by_hand():
+    # Definition fix (issue 14, item 2): window w = 32 on top of a pyramid of selected tokens. Fails on the
+    # pre-fix code (budget 50, 4 layers: [98, 66, 34, 2] -- the window inside, the total 200 only by luck).
+    budgets = torch.tensor([50, 42, 50, 33, 32, 20])
+    lengths = torch.tensor([200, 200, 60, 200, 200, 200])
+    got = make_policy("pyramidkv").layer_budgets(budgets, lengths, 4).T.tolist()
+    # k 50, n 200: m = 18, lo = 18 // 20 = 0, hi = 36 <= n - w = 168; 36 - 36 l / 3 = [36, 24, 12, 0] + 32
+    assert got[0] == [68, 56, 44, 32]
+    # k 42: m = 10, lo 0, hi 20: [20, 13.33, 6.67, 0] floors [20, 13, 6, 0] = 39, one short of 40 -> the
+    # largest remainder (.67, layer 2) gets it: [20, 13, 7, 0] + 32
+    assert got[1] == [52, 45, 39, 32]
+    # k 50, n 60: hi 36 > n - w = 28 -> hi 28, lo 2 * 18 - 28 = 8: [28, 21.33, 14.67, 8] -> [28, 21, 15, 8] + 32;
+    # the first layer keeps the whole prompt, the total stays 4 x 50
+    assert got[2] == [60, 53, 47, 40]
+    # k 33: m = 1, lo 0, hi 2: [2, 1.33, .67, 0] -> [2, 1, 0, 0] + the one short to layer 2 -> [2, 1, 1, 0] + 32
+    assert got[3] == [34, 33, 33, 32]
+    # k 32, k 20 <= w: no pyramid above the window, SnapKV's uniform budget (as kvpress falls back)
+    assert got[4] == [32, 32, 32, 32]
+    assert got[5] == [20, 20, 20, 20]
+
+
+@pytest.mark.parametrize("num_layers", [2, 3, 5, 16, 30, 32])
+def test_pyramidkv_layer_budgets_sum_to_the_uniform_total_with_the_window_on_top(num_layers):
+    # Fails on the pre-fix code (e.g. n 2048, budget 0.9: the first layer was cut to the prompt, -19 % in all).
+    policy = make_policy("pyramidkv")
+    w = policy.observation_window
+    for n in (40, 100, 333, 2048, 4096):
+        lengths = torch.full((7,), n)
+        budget = torch.tensor([1, 20, 33, n // 10 + 1, n // 2, math.ceil(0.9 * n), n]).clamp(max=n)
+        got = policy.layer_budgets(budget, lengths, num_layers)  # [L, B]
+        assert got.shape == (num_layers, 7)
+        for b in range(7):
+            k, col = int(budget[b]), got[:, b].tolist()
+            if k <= w:  # fall back to uniform
+                assert col == [k] * num_layers
+                continue
+            assert sum(col) == num_layers * k, (n, k, col)  # exactly the uniform total
+            assert all(c >= w for c in col)  # the window on top of every layer's selection
+            assert all(c <= n for c in col)  # clamped: the first layer never exceeds the prompt
+            assert col == sorted(col, reverse=True)  # a pyramid
+
+
+def test_pyramidkv_one_layer_is_uniform():
+    assert make_policy("pyramidkv").layer_budgets(torch.tensor([50]), torch.tensor([200]), 1).tolist() == [[50]]
+
+
+# --- TOVA --------------------------------------------------------------------------------------
+
+def test_tova_is_one_token_set_per_layer_and_tova_head_the_per_head_variant():
+    # Definition fix (issue 14, item 3); fails on the pre-fix code, where `tova` was the per-KV-head variant.
+    tova = make_policy("tova")
+    assert (tova.name, tova.granularity) == ("tova_token", "token")
+    assert make_policy("tova_head").granularity == "head"
+    assert make_policy("tova_head_page").granularity == "head_page"
+    # heads disagree; `tova` keeps one set: the mean of the last query's attention over the heads
+    attention = torch.tensor([[[0.5, 0.1, 0.1, 0.3], [0.1, 0.1, 0.6, 0.2]]])
     positions = torch.arange(4).expand(1, 2, 4)
-    keep = select_adaptive(scores, positions, torch.tensor([4]), torch.tensor([2]), alpha_safeguard=0.5)
-    # forced: head0 pos0 (9), head1 pos0 (1); the two left go to 8 and 7, both in head 0
-    assert keep.int().tolist() == [[[1, 1, 1, 0], [1, 0, 0, 0]]]
+    scores = tova.score(score_input(attention, positions=positions, stat_end=[4]))
+    keep = tova.select(scores, positions, torch.tensor([4]), torch.tensor([2]), 16, torch.tensor([0]))
+    # means over heads [0.3, 0.1, 0.35, 0.25] -> positions 2, 0 in both heads
+    assert keep.tolist() == [[[True, False, True, False], [True, False, True, False]]]
+    per_head = make_policy("tova_head")
+    keep = per_head.select(scores, positions, torch.tensor([4]), torch.tensor([2]), 16, torch.tensor([0]))
+    assert keep.tolist() == [[[True, False, False, True], [False, False, True, True]]]
 
 
-def test_adaptive_selection_keeps_protected_tokens_and_the_layer_total():
-    g = torch.Generator().manual_seed(0)
-    scores = torch.rand(2, 3, 20, generator=g)
-    positions = torch.arange(20).expand(2, 3, 20)
-    budget = torch.tensor([6, 9])
-    keep = select_adaptive(scores, positions, torch.tensor([20, 20]), budget, alpha_safeguard=0.2,
-                           recent=torch.tensor([2, 2]))
-    assert keep.sum((1, 2)).tolist() == [18, 27]
-    assert keep[..., -2:].all()
-    assert len(set(keep[1].sum(-1).tolist())) > 1  # heads hold different numbers of tokens
+# --- Quest -------------------------------------------------------------------------------------
+
+# one KV head, one query head, D = 2, 5 pages of 2 tokens (positions 0..9), block 2; query (1, 1):
+QUEST_KEYS = torch.tensor([[[[1.0, 0.0], [2.0, 0.0],      # page 0: min (1, 0) max (2, 0)     -> bound 2 + 0 = 2
+                             [0.0, 1.0], [0.0, 3.0],      # page 1: min (0, 1) max (0, 3)     -> 0 + 3 = 3
+                             [0.5, 0.0], [0.5, 0.5],      # page 2: min (.5, 0) max (.5, .5)  -> .5 + .5 = 1
+                             [-1.0, 0.0], [-1.0, -1.0],   # page 3: min (-1, -1) max (-1, 0)  -> -1 + 0 = -1
+                             [-5.0, -5.0], [-5.0, -5.0]]]])  # page 4: the newest, bound -10, read anyway
+QUEST_QUERY = torch.tensor([[[1.0, 1.0]]])
 
 
 def test_quest_attends_the_top_pages_by_key_bounds_and_always_the_newest():
     quest = make_policy("quest")
-    # one KV head, one query head, D=2, 3 pages of 2 tokens (positions 0..5)
-    keys = torch.tensor([[[[1.0, 0.0], [2.0, 0.0],     # page 0: min (1,0) max (2,0)
-                           [0.0, 1.0], [0.0, 3.0],     # page 1: min (0,1) max (0,3)
-                           [-1.0, 0.0], [0.0, 0.0]]]])  # page 2: newest
-    positions = torch.arange(6).view(1, 1, 6)
-    query = torch.tensor([[[1.0, 1.0]]])  # bounds: page0 2, page1 3, page2 0
-    slots = quest.attended_slots(query, keys, positions, torch.tensor([4]), block_size=2)
-    assert slots.int().tolist() == [[[0, 0, 1, 1, 1, 1]]]  # 2 pages: the newest + the best bound (page 1)
+    positions = torch.arange(10).view(1, 1, 10)
+    slots = quest.attended_slots(2, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([8]), block_size=2)
+    # budget 8 -> ceil(8 / 2) = 4 pages: the newest (4) + the best bounds: page 1 (3), page 0 (2), page 2 (1)
+    assert slots.int().tolist() == [[[1, 1, 1, 1, 1, 1, 0, 0, 1, 1]]]
+    # stored out of order, with an empty slot: the same positions
+    perm = torch.tensor([9, 3, 0, 7, 5, 1, 8, 2, 6, 4])
+    keys = torch.cat([QUEST_KEYS[:, :, perm], torch.zeros(1, 1, 1, 2)], dim=2)
+    stored = torch.cat([perm, torch.tensor([-1])]).view(1, 1, 11)
+    slots = quest.attended_slots(2, QUEST_QUERY, keys, stored, torch.tensor([8]), block_size=2)
+    assert sorted(stored[slots].tolist()) == [0, 1, 2, 3, 4, 5, 8, 9]
 
+
+def test_quest_reads_everything_in_layers_0_and_1_and_at_least_3_pages_elsewhere():
+    # Definition fix (issue 14, item 4); fails on the pre-fix code, which restricted every layer and read
+    # ceil(2 / 2) = 1 page (the newest alone) at this budget.
+    quest = make_policy("quest")
+    positions = torch.arange(10).view(1, 1, 10)
+    for layer in (0, 1):
+        slots = quest.attended_slots(layer, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([2]), block_size=2)
+        assert slots.all()
+    slots = quest.attended_slots(2, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([2]), block_size=2)
+    # max(3, ceil(2 / 2)) = 3 pages: the newest + page 1 (3) + page 0 (2)
+    assert slots.int().tolist() == [[[1, 1, 1, 1, 0, 0, 0, 0, 1, 1]]]
+    # empty slots are never read, dense layers included
+    positions = torch.tensor([[[0, 1, -1, 3]]])
+    slots = quest.attended_slots(0, QUEST_QUERY, QUEST_KEYS[:, :, :4], positions, torch.tensor([1]), block_size=2)
+    assert slots.tolist() == [[[True, True, False, True]]]
+
+
+def test_quest_token_reads_the_same_pages_in_every_kv_head():
+    quest = make_policy("quest_token")
+    keys = torch.cat([QUEST_KEYS, -QUEST_KEYS], dim=1)  # head 1's bounds disagree with head 0's
+    positions = torch.arange(10).expand(1, 2, 10)
+    slots = quest.attended_slots(2, torch.tensor([[[1.0, 1.0], [1.0, 1.0]]]), keys, positions, torch.tensor([2]), 2)
+    assert slots[0, 0].tolist() == slots[0, 1].tolist()
+    assert int(slots[0, 0].sum()) == 6  # 3 pages of 2
+
+
+# --- random ------------------------------------------------------------------------------------
+
+def test_random_priorities_of_a_sequence_do_not_depend_on_its_batch():
+    # Definition fix (issue 14's parity: a sample's tokens must not depend on its batch); fails on the pre-fix
+    # code, which drew one priority per (sequence index, head, position) for the batch's longest span.
+    policy = make_policy("random")
+    alone_positions = torch.arange(10).expand(1, 2, 10)
+    alone = policy.score(score_input(positions=alone_positions, layer=3, seed=7))
+    # the same sequence as row 1 of a batch of 3, stored out of order with holes, next to a longer sequence
+    positions = torch.full((3, 2, 40), -1)
+    positions[0] = torch.arange(40)
+    perm = torch.tensor([4, 9, 0, 7, 2, 5, 1, 8, 3, 6])
+    positions[1, :, 10:20] = perm
+    positions[2, :, :5] = torch.arange(5)
+    batched = policy.score(score_input(positions=positions, layer=3, seed=7))
+    assert batched[1, :, 10:20].tolist() == alone[0, :, perm].tolist()
+    assert batched[2, :, :5].tolist() == alone[0, :, :5].tolist()
+    # and a token keeps its priority as the sequence grows
+    assert batched[0, :, :10].tolist() == alone[0].tolist()
+    # another layer or seed draws again; heads differ
+    assert policy.score(score_input(positions=alone_positions, layer=4, seed=7)).tolist() != alone.tolist()
+    assert policy.score(score_input(positions=alone_positions, layer=3, seed=8)).tolist() != alone.tolist()
+    assert alone[0, 0].tolist() != alone[0, 1].tolist()
+
+
+# --- H2O ---------------------------------------------------------------------------------------
+
+def test_h2o_normalize_divides_by_the_queries_that_could_see_the_token():
+    # Definition fix (issue 14, --policy-arg normalize, kvpress's ObservedAttention); fails on the pre-fix
+    # code, whose score was the raw accumulated attention.
+    policy = make_policy("h2o")
+    positions = torch.tensor([[[3, 0, 2, 1]], [[0, 1, 2, -1]]])
+    attention = [[[1.0, 6.0, 3.0, 4.0]], [[3.0, 4.0, 2.0, 0.0]]]
+    assert policy.score(score_input(attention, positions=positions, stat_end=[4, 3])).tolist() == attention
+    policy.normalize = True
+    scores = policy.score(score_input(attention, positions=positions, stat_end=[4, 3]))
+    # row 0, stat_end 4: position p was seen by 4 - p queries: 1 / 1, 6 / 4, 3 / 2, 4 / 3
+    # row 1, stat_end 3: 3 / 3, 4 / 2, 2 / 1 (the empty slot's value does not matter)
+    assert scores[0, 0].tolist() == pytest.approx([1.0, 1.5, 1.5, 4 / 3])
+    assert scores[1, 0, :3].tolist() == pytest.approx([1.0, 2.0, 2.0])
+
+
+# --- make_policy, --policy-arg, granularities, budgets ------------------------------------------
+
+def test_policy_args_parse_known_keys_and_aliases():
+    snap = make_policy("snapkv", args={"window": "64", "kernel": "5", "pooling": "avg"})  # kvpress's settings
+    assert (snap.observation_window, snap.kernel_size, snap.pooling) == (64, 5, "avg")
+    snap = make_policy("snapkv", "page", {"observation_window": "16", "kernel_size": "3", "pooling": "max"})
+    assert (snap.granularity, snap.observation_window, snap.kernel_size, snap.pooling) == ("page", 16, 3, "max")
+    h2o = make_policy("h2o", args={"recent": "0.25", "normalize": "true", "sink_tokens": "4"})
+    assert (h2o.recent_fraction, h2o.normalize, h2o.sink_tokens) == (0.25, True, 4)
+    for text, value in (("false", False), ("1", True), ("0", False), ("yes", True), ("no", False), ("True", True)):
+        assert make_policy("h2o", args={"normalize": text}).normalize is value
+    assert make_policy("pyramidkv", args={"beta": "10"}).beta == 10.0
+    # the registered preset itself is not changed by args
+    assert make_policy("snapkv").observation_window == 32
+
+
+@pytest.mark.parametrize("name,args,mentions", [
+    ("snapkv", {"windw": "64"}, "windw"),  # unknown key
+    ("h2o", {"kernel": "5"}, "kernel"),  # a key of another policy
+    ("snapkv", {"window": "sixty"}, "window"),  # bad int
+    ("snapkv", {"window": "1.5"}, "window"),
+    ("snapkv", {"window": "0"}, "window"),
+    ("snapkv", {"kernel": "4"}, "kernel"),  # even kernel
+    ("snapkv", {"pooling": "foo"}, "pooling"),
+    ("h2o", {"recent": "1.5"}, "recent"),  # out of [0, 1]
+    ("h2o", {"recent": "nan"}, "recent"),
+    ("h2o", {"normalize": "maybe"}, "normalize"),
+    ("h2o", {"sink_tokens": "-1"}, "sink_tokens"),
+    ("h2o", {"granularity": "page"}, "granularity"),  # not a hyper-parameter
+])
+def test_bad_policy_args_are_one_line_errors(name, args, mentions):
+    with pytest.raises(EvalkitError) as error:
+        make_policy(name, args=args)
+    message = str(error.value)
+    assert "\n" not in message and message
+    assert mentions in message
+
+
+def test_granularity_refusals():
+    for granularity in ("page", "head_page"):
+        with pytest.raises(EvalkitError, match="quest") as error:
+            make_policy("quest", granularity)
+        assert "\n" not in str(error.value)
+    with pytest.raises(EvalkitError, match="head_page"):
+        make_policy("adakv_snapkv", "head_page")
+    with pytest.raises(EvalkitError, match="granularity"):
+        make_policy("h2o", "layer")
+    assert make_policy("quest", "token").granularity == "token"
+    assert make_policy("adakv_snapkv", "page").granularity == "page"
+    # every other policy runs at every granularity; each scorer has its _head_page preset
+    for name in ("h2o", "snapkv", "pyramidkv", "knorm", "tova", "random", "streaming_llm"):
+        for granularity in GRANULARITIES:
+            assert make_policy(name, granularity).granularity == granularity
+    for base in ("h2o", "snapkv", "pyramidkv", "knorm", "tova"):
+        assert f"{base}_head_page" in POLICIES.names()
+
+
+def test_adakv_at_token_and_page_is_snapkv():
+    g = torch.Generator().manual_seed(3)
+    scores, positions = torch.rand(2, 3, 20, generator=g), torch.arange(20).expand(2, 3, 20)
+    seen, budget, recent = torch.tensor([20, 20]), torch.tensor([8, 5]), torch.tensor([2, 0])
+    for granularity in ("token", "page"):
+        ada = make_policy("adakv_snapkv", granularity).select(scores, positions, seen, budget, 4, recent)
+        assert ada.tolist() == select_keep(scores, positions, seen, budget, granularity, 4, 0, recent).tolist()
+
+
+def test_check_budget_refuses_less_than_one_page_at_page_granularities():
+    for granularity in PAGE_GRANULARITIES:
+        policy = make_policy("h2o", granularity)
+        policy.check_budget(16, 16, 100)  # one page: accepted
+        policy.check_budget(0.16, 16, 100)  # 16 tokens
+        policy.check_budget(1.0, 16, 10)  # a prompt shorter than a page, kept whole
+        for budget, length in ((15, 100), (0.15, 100), (2, 100), (0.5, 10)):  # 15, 15, 2, 5 tokens
+            with pytest.raises(EvalkitError, match="16") as error:
+                policy.check_budget(budget, 16, length)
+            assert "\n" not in str(error.value)
+    for granularity in ("head", "token"):  # one token is a valid budget there
+        make_policy("h2o", granularity).check_budget(2, 16, 100)
+    make_policy("quest").check_budget(2, 16, 100)
+
+
+# --- statistics and the loop -------------------------------------------------------------------
 
 def test_tova_statistic_is_the_last_query_attention_and_snapkv_the_window_sum():
     """Against transformers' eager attention weights on a tiny model (GQA 3)."""
@@ -102,26 +354,81 @@ def test_tova_statistic_is_the_last_query_attention_and_snapkv_the_window_sum():
             torch.testing.assert_close(stats[li], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", [n for n in POLICIES.names() if n != "full"])
-@pytest.mark.parametrize("kv_heads", [2, 6], ids=["gqa3", "gqa1"])
-def test_every_policy_runs_at_every_granularity_with_gqa(name, kv_heads):
-    model = tiny_model("llama", kv_heads=kv_heads)
+def every_policy_and_granularity():
+    """(name, granularity) for every registered policy at every granularity it accepts (each preset's own,
+    and every granularity of a policy registered under one name)."""
+    combos, names = [], POLICIES.names()
+    for name in names:
+        policy = make_policy(name)
+        if name == "full":
+            continue
+        if name.endswith(tuple(f"_{g}" for g in GRANULARITIES)):
+            combos.append((name, policy.granularity))  # a preset: its own granularity
+        else:
+            combos += [(name, g) for g in GRANULARITIES if g not in policy.cannot_run_at and f"{name}_{g}" not in names]
+    return combos
+
+
+@functools.lru_cache(maxsize=1)
+def gqa3_model():
+    model = tiny_model("llama", kv_heads=2)
     model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("name,granularity", every_policy_and_granularity())
+def test_every_policy_runs_at_every_granularity_within_its_budget(name, granularity):
+    """A real loop with GQA 3 and a batch of two lengths: tokens kept per (layer, sequence, KV head) after
+    prefill are within the budget (Ada-KV: within the layer's budget x H_kv), and page granularities keep at
+    least budget - (block_size - 1). Paged and dense agree (all presets: tests/test_generate.py)."""
+    model = gqa3_model()
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23)]
-    for granularity in ("head", "token", "page"):
-        outputs = {}
-        for layout in ("paged", "dense"):
-            requests = [Request(p[:-5], p[-5:], 6) for p in prompts]
-            settings = GenerationSettings(make_policy(name, granularity), budget=0.3, layout=layout, block_size=4)
-            outputs[layout] = generate(model, None, requests, settings)
-        assert [g.token_ids for g in outputs["paged"]] == [g.token_ids for g in outputs["dense"]]
-        policy = make_policy(name, granularity)
-        for g in outputs["paged"]:
-            assert len(g.token_ids) == 6
-            if policy.evicts:
-                assert g.kept_tokens < g.prompt_tokens
+    budget = torch.tensor([12, 7])  # ceil(0.3 x [40, 23])
+    policy = make_policy(name, granularity)
+    kept = {}
+
+    def grab(event, cache):
+        if event == "prefill":
+            kept["tokens"] = cache.kept_tokens()  # [L, B, H_kv]
+
+    requests = [Request(p[:-5], p[-5:], 3) for p in prompts]
+    settings = GenerationSettings(policy, budget=0.3, block_size=4)
+    out = generate(model, None, requests, settings, observe=grab)
+    assert [len(g.token_ids) for g in out] == [3, 3]
+    tokens = kept["tokens"]
+    if not policy.evicts:
+        assert tokens.tolist() == [[[40] * 2, [23] * 2]] * 2
+        assert [g.kept_tokens for g in out] == [40, 23]
+        # Quest reads everything in layers 0 and 1, as published: the tiny model has only those two
+        assert [g.attended_fraction for g in out] == [1.0, 1.0]
+        return
+    for b in range(2):
+        k = int(budget[b])
+        per_head = tokens[:, b]  # [L, H_kv]
+        if name.startswith("adakv") and granularity == "head":
+            assert per_head.sum(-1).tolist() == [2 * k] * 2
+        else:
+            assert int(per_head.max()) <= k
+            if granularity in PAGE_GRANULARITIES:
+                assert int(per_head.min()) >= k - 3
             else:
-                assert g.kept_tokens == g.prompt_tokens and g.attended_fraction < 1.0
+                assert per_head.tolist() == [[k, k]] * 2
+        assert out[b].kept_tokens == pytest.approx(float(per_head.float().mean()))
+
+
+def test_quest_restricts_reads_from_the_third_layer_on():
+    config = tiny_config("llama")
+    config.num_hidden_layers = 3
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = generate(model, None, [Request(prompt, [], 4)], GenerationSettings(make_policy("quest"), budget=8,
+                                                                              block_size=4))
+    # layers 0 and 1 read all their slots, layer 2 about max(3, 2) pages of 16: 2/3 < fraction < 1
+    assert 2 / 3 < out[0].attended_fraction < 1.0
 
 
 def test_adakv_heads_keep_different_numbers_of_tokens_and_free_the_pages():

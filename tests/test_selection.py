@@ -1,16 +1,24 @@
-"""`select_keep` and `resolve_budget`: hand-computed cases per granularity, then properties.
+"""`select_keep`, `select_adaptive` and `resolve_budget`: hand-computed cases per granularity, then properties.
 
 Shapes: scores / positions / keep are `[B, H_kv, N]` per slot, positions -1 = empty slot.
-Hand cases write the expected keep mask literally, with the arithmetic in a comment.
+Hand cases write the expected keep mask literally, with the arithmetic in a comment. The rules are
+docs/policies.md's ("Protected tokens and selection"): keep order sinks (ascending), other protected
+positions (most recent first), then score (highest first, ties to the earlier position); the first
+`budget` are kept, protected tokens included; pages are filled greedily, skipping pages that do not fit.
 """
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES
 from evalkit.policies.base import resolve_budget
-from evalkit.policies.selection import select_keep
+from evalkit.policies.selection import select_adaptive, select_keep
 
 
 def t(rows, dtype=torch.float32):
@@ -25,6 +33,11 @@ def kept_positions(keep, positions):
     """Per (b, h): the set of positions kept."""
     B, H, _ = keep.shape
     return [[set(positions[b, h][keep[b, h]].tolist()) for h in range(H)] for b in range(B)]
+
+
+def test_granularities_are_the_four_of_the_rule_book():
+    assert set(GRANULARITIES) == {"head", "token", "page", "head_page"}
+    assert set(PAGE_GRANULARITIES) == {"page", "head_page"}
 
 
 # --- granularity "head" ------------------------------------------------------------------------
@@ -52,23 +65,42 @@ def test_head_ties_go_to_the_earlier_position():
     assert keep.tolist() == [[[False, False, True, True, False]]]
 
 
-def test_head_protects_sinks_and_the_recent_window():
+def test_head_protected_tokens_count_against_the_budget():
     scores = t([[[0, 9, 8, 7, 1, 0],
                  [0, 1, 2, 9, 0, 0]]])
     pos, seen = ordered_positions(1, 2, 6), t([6], torch.long)
-    # sink 1 -> position 0; recent 2 of seen 6 -> positions 4, 5: 3 protected per head
-    keep = select_keep(scores, pos, seen, t([4], torch.long), "head", sink_tokens=1, recent=t([2], torch.long))
-    # budget 4 = 3 protected + best other: head 0 -> pos 1 (9); head 1 -> pos 3 (9)
-    assert keep.tolist() == [[[True, True, False, False, True, True],
-                              [True, False, False, True, True, True]]]
-    keep = select_keep(scores, pos, seen, t([3], torch.long), "head", sink_tokens=1, recent=t([2], torch.long))
+
+    def keep(budget):
+        return select_keep(scores, pos, seen, t([budget], torch.long), "head", sink_tokens=1,
+                           recent=t([2], torch.long)).tolist()
+
+    # sink 1 -> position 0; recent 2 of seen 6 -> positions 5, 4. Keep order per head:
+    # head 0: 0 (sink), 5, 4 (recent, most recent first), then 1 (9), 2 (8), 3 (7)
+    # head 1: 0 (sink), 5, 4, then 3 (9), 2 (2), 1 (1)
+    # budget 4 = 3 protected + the best other
+    assert keep(4) == [[[True, True, False, False, True, True],
+                        [True, False, False, True, True, True]]]
     # budget 3 = exactly the protected ones, whatever the scores
-    assert keep.tolist() == [[[True, False, False, False, True, True],
-                              [True, False, False, False, True, True]]]
-    keep = select_keep(scores, pos, seen, t([1], torch.long), "head", sink_tokens=1, recent=t([2], torch.long))
-    # budget 1 < 3 protected: protected tokens are still all kept, nothing else
-    assert keep.tolist() == [[[True, False, False, False, True, True],
-                              [True, False, False, False, True, True]]]
+    assert keep(3) == [[[True, False, False, False, True, True],
+                        [True, False, False, False, True, True]]]
+    # budget 2 < 3 protected: the sink, then the most recent (5); position 4 goes
+    assert keep(2) == [[[True, False, False, False, False, True],
+                        [True, False, False, False, False, True]]]
+    # budget 1: the sink alone
+    assert keep(1) == [[[True, False, False, False, False, False],
+                        [True, False, False, False, False, False]]]
+
+
+def test_head_sinks_are_kept_in_ascending_order_before_the_recent_window():
+    scores = t([[[5, 5, 5, 0, 0, 0, 0, 0]]])
+    # sinks 3 -> positions 0, 1, 2; recent 2 of seen 8 -> 7, 6. Budget 2: sinks 0, 1 (ascending), nothing recent
+    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([2], torch.long), "head",
+                       sink_tokens=3, recent=t([2], torch.long))
+    assert keep.tolist() == [[[True, True, False, False, False, False, False, False]]]
+    # budget 4: sinks 0, 1, 2, then the most recent 7
+    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), "head",
+                       sink_tokens=3, recent=t([2], torch.long))
+    assert keep.tolist() == [[[True, True, True, False, False, False, False, True]]]
 
 
 # --- granularity "token" -----------------------------------------------------------------------
@@ -98,23 +130,27 @@ def test_token_mean_only_counts_heads_that_hold_the_token():
                               [True, True, False, False]]]
 
 
-def test_token_protects_sinks_and_the_recent_window():
+def test_token_protected_tokens_count_against_the_budget():
     scores = t([[[0, 9, 8, 7, 1, 0],
                  [0, 1, 2, 9, 0, 0]]])
+    pos, seen = ordered_positions(1, 2, 6), t([6], torch.long)
     # means [0, 5, 5, 8, 0.5, 0]; protected: pos 0 (sink), pos 5 (recent 1)
     # budget 3 -> protected 0, 5 + best other: pos 3 (8)
-    keep = select_keep(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([3], torch.long), "token",
-                       sink_tokens=1, recent=t([1], torch.long))
+    keep = select_keep(scores, pos, seen, t([3], torch.long), "token", sink_tokens=1, recent=t([1], torch.long))
     assert keep.tolist() == [[[True, False, False, True, False, True],
                               [True, False, False, True, False, True]]]
+    # recent 3 -> protected 0 (sink), then 5, 4, 3 (most recent first); budget 2: sink 0 and 5
+    keep = select_keep(scores, pos, seen, t([2], torch.long), "token", sink_tokens=1, recent=t([3], torch.long))
+    assert keep.tolist() == [[[True, False, False, False, False, True],
+                              [True, False, False, False, False, True]]]
 
 
 # --- granularity "page" ------------------------------------------------------------------------
 
 def test_page_keeps_whole_pages_ranked_by_mean_score():
     scores = t([[[1, 1, 8, 6, 3, 3, 9, 0]]])
-    # block 2 -> pages {0,1} {2,3} {4,5} {6,7} with means 1, 7, 3, 4.5
-    # rank: page 1 (7, 2 tokens, total 2), page 3 (4.5, total 4), page 2 (3, total 6 > 5: stop)
+    # block 2 -> pages {0,1} {2,3} {4,5} {6,7} with means 1, 7, 3, 4.5; seen 8 is a multiple of 2: no page filling
+    # greedy, budget 5: page 1 (2 tokens, room 3), page 3 (2, room 1), page 2 (2 > 1: skip), page 0 (skip)
     keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([5], torch.long), "page",
                        block_size=2)
     assert keep.tolist() == [[[False, False, True, True, False, False, True, True]]]
@@ -124,13 +160,36 @@ def test_page_keeps_whole_pages_ranked_by_mean_score():
     assert keep.tolist() == [[[False, False, True, True, True, True, True, False]]]
 
 
-def test_page_stops_at_the_first_page_that_does_not_fit():
-    # 7 positions, block 2 -> pages {0,1} {2,3} {4,5} {6}; means 5, 9, 1, 2
+@pytest.mark.parametrize("granularity", PAGE_GRANULARITIES)
+def test_page_greedy_skips_a_page_that_does_not_fit_and_takes_a_smaller_one_after_it(granularity):
+    # 8 positions, block 2, position 5 empty (evicted earlier): pages {0,1} {2,3} {4} {6,7}
+    positions = t([[[0, 1, 2, 3, 4, -1, 6, 7]]], torch.long)
+    scores = t([[[5, 5, 9, 9, 2, 100, 1, 1]]])  # the empty slot's 100 is ignored
+    # means 5, 9, 2, 1; seen 8 is a multiple of 2: no page being filled
+    # budget 3: page 1 (2 tokens, room 1), page 0 (2 > 1: skip), page 2 (1 token fits, room 0), page 3 (skip)
+    keep = select_keep(scores, positions, t([8], torch.long), t([3], torch.long), granularity, block_size=2)
+    assert keep.tolist() == [[[False, False, True, True, True, False, False, False]]]
+
+
+@pytest.mark.parametrize("granularity", PAGE_GRANULARITIES)
+def test_page_being_filled_is_protected(granularity):
+    # 7 positions, block 2 -> pages {0,1} {2,3} {4,5} {6}; seen 7 is not a multiple of 2: page 3 is being filled
     scores = t([[[5, 5, 9, 9, 1, 1, 2]]])
-    # rank: page 1 (total 2), page 0 (total 4 > 3: stop), page 3 (1 token) is not taken after the stop
-    keep = select_keep(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([3], torch.long), "page",
+    # order: page 3 (protected, 1 token), then page 1 (9), page 0 (5), page 2 (1)
+    # budget 3: page 3 (room 2), page 1 (room 0), the rest do not fit
+    keep = select_keep(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([3], torch.long), granularity,
                        block_size=2)
-    assert keep.tolist() == [[[False, False, True, True, False, False, False]]]
+    assert keep.tolist() == [[[False, False, True, True, False, False, True]]]
+    # budget 2: page 3 (room 1), page 1 (2 > 1: skip), page 0 (skip), page 2 (skip): 1 token = k - (S - 1)
+    keep = select_keep(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([2], torch.long), granularity,
+                       block_size=2)
+    assert keep.tolist() == [[[False, False, False, False, False, False, True]]]
+    # seen 8 (page 3 = {6, 7} complete): nothing is being filled, page 3 ranks by its mean 2
+    scores8 = t([[[5, 5, 9, 9, 1, 1, 2, 2]]])
+    keep = select_keep(scores8, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), granularity,
+                       block_size=2)
+    # budget 4: page 1 (9), page 0 (5)
+    assert keep.tolist() == [[[True, True, True, True, False, False, False, False]]]
 
 
 def test_page_is_shared_by_all_heads_with_the_mean_over_heads_and_tokens():
@@ -138,11 +197,24 @@ def test_page_is_shared_by_all_heads_with_the_mean_over_heads_and_tokens():
     scores = t([[[9, 9, 0, 0, 4, 4],
                  [0, 0, 5, 5, 4, 4]]])
     # page means over (head, token): page 0 (9+9+0+0)/4 = 4.5, page 1 (0+0+5+5)/4 = 2.5, page 2 = 4
-    # budget 4: page 0 (2), page 2 (4) -> positions 0, 1, 4, 5 in both heads
+    # budget 4: page 0 (room 2), page 2 (room 0) -> positions 0, 1, 4, 5 in both heads
     keep = select_keep(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([4], torch.long), "page",
                        block_size=2)
     assert keep.tolist() == [[[True, True, False, False, True, True],
                               [True, True, False, False, True, True]]]
+
+
+def test_page_counts_the_positions_held_by_any_head():
+    # block 2; head 0 lost position 3, head 1 lost position 2: page {2,3} still holds 2 distinct positions
+    positions = t([[[0, 1, 2, -1, 4, 5],
+                    [0, 1, -1, 3, 4, 5]]], torch.long)
+    scores = t([[[1, 1, 9, 0, 2, 2],
+                 [1, 1, 0, 9, 2, 2]]])
+    # means over (head, token) pairs: page 0 (1+1+1+1)/4 = 1, page 1 (9+9)/2 = 9, page 2 2
+    # budget 3: page 1 (2 distinct positions, room 1), page 2 (2 > 1: skip), page 0 (skip)
+    keep = select_keep(scores, positions, t([6], torch.long), t([3], torch.long), "page", block_size=2)
+    assert keep.tolist() == [[[False, False, True, False, False, False],
+                              [False, False, False, True, False, False]]]
 
 
 def test_page_ties_go_to_the_earlier_page():
@@ -152,27 +224,117 @@ def test_page_ties_go_to_the_earlier_page():
     assert keep.tolist() == [[[True, True, False, False, False, False]]]
 
 
-def test_page_protects_sinks_and_the_recent_window_with_their_whole_page():
+def test_page_protected_pages_count_against_the_budget():
     scores = t([[[0, 0, 9, 9, 0, 0]]])
     pos, seen = ordered_positions(1, 1, 6), t([6], torch.long)
+
+    def keep(budget):
+        return select_keep(scores, pos, seen, t([budget], torch.long), "page", block_size=2, sink_tokens=1,
+                           recent=t([1], torch.long)).tolist()
+
     # sink 1 protects page 0 (positions 0, 1); recent 1 protects page 2 (positions 4, 5)
-    # budget 4: protected pages take 4 tokens; page 1 (mean 9) would make 6 > 4
-    keep = select_keep(scores, pos, seen, t([4], torch.long), "page", block_size=2, sink_tokens=1,
-                       recent=t([1], torch.long))
-    assert keep.tolist() == [[[True, True, False, False, True, True]]]
-    # budget 2 < 4 protected tokens: the protected pages are still kept
-    keep = select_keep(scores, pos, seen, t([2], torch.long), "page", block_size=2, sink_tokens=1,
-                       recent=t([1], torch.long))
-    assert keep.tolist() == [[[True, True, False, False, True, True]]]
-    # budget 6: everything
-    keep = select_keep(scores, pos, seen, t([6], torch.long), "page", block_size=2, sink_tokens=1,
-                       recent=t([1], torch.long))
-    assert keep.all()
+    # order: page 0 (sink), page 2 (protected), page 1 (mean 9)
+    # budget 4: page 0 (room 2), page 2 (room 0), page 1 (skip)
+    assert keep(4) == [[[True, True, False, False, True, True]]]
+    # budget 3: page 0 (room 1), page 2 (2 > 1: skip), page 1 (skip): a protected page does not exceed the budget
+    assert keep(3) == [[[True, True, False, False, False, False]]]
+    assert keep(2) == [[[True, True, False, False, False, False]]]
+    assert keep(6) == [[[True] * 6]]
+
+
+def test_page_protected_pages_most_recent_first():
+    scores = t([[[9, 9, 9, 9, 0, 0, 0, 0]]])
+    pos, seen = ordered_positions(1, 1, 8), t([8], torch.long)
+
+    def keep(budget):
+        return select_keep(scores, pos, seen, t([budget], torch.long), "page", block_size=2,
+                           recent=t([3], torch.long)).tolist()
+
+    # recent 3 of seen 8 -> positions 5, 6, 7: pages 3 ({6,7}) then 2 ({4,5}), most recent first; then 0, 1 (9)
+    assert keep(2) == [[[False, False, False, False, False, False, True, True]]]
+    assert keep(5) == [[[False, False, False, False, True, True, True, True]]]  # page 0 (2 > 1) skipped
+    assert keep(6) == [[[True, True, False, False, True, True, True, True]]]
+
+
+# --- granularity "head_page" -------------------------------------------------------------------
+
+def test_head_page_heads_keep_their_own_pages():
+    scores = t([[[9, 9, 0, 0, 1, 1],
+                 [0, 0, 8, 6, 0, 2]]])
+    pos, seen, budget = ordered_positions(1, 2, 6), t([6], torch.long), t([2], torch.long)
+    # block 2; head 0's page means 9, 0, 1 -> page 0; head 1's 0, 7, 1 -> page 1
+    keep = select_keep(scores, pos, seen, budget, "head_page", block_size=2)
+    assert keep.tolist() == [[[True, True, False, False, False, False],
+                              [False, False, True, True, False, False]]]
+    # "page" ranks the means over both heads, (9+9+0+0)/4 = 4.5, (0+0+8+6)/4 = 3.5, (1+1+0+2)/4 = 1: page 0 for both
+    keep = select_keep(scores, pos, seen, budget, "page", block_size=2)
+    assert keep.tolist() == [[[True, True, False, False, False, False],
+                              [True, True, False, False, False, False]]]
+
+
+def test_head_page_ranks_by_the_heads_own_mean_and_counts_its_own_tokens():
+    # head 0 lost position 3: its page {2,3} holds position 2 alone
+    positions = t([[[0, 1, 2, -1, 4, 5],
+                    [0, 1, 2, 3, 4, 5]]], torch.long)
+    scores = t([[[4, 4, 5, 99, 1, 1],
+                 [4, 4, 1, 1, 3, 3]]])
+    # head 0: page means 4 (2 tokens), 5 (1 token: position 2 alone; 99 is an empty slot), 1 (2 tokens)
+    #   budget 3: page 1 (1 token, room 2), page 0 (2, room 0), page 2 (skip) -> 0, 1, 2
+    # head 1: page means 4, 1, 3 (2 tokens each)
+    #   budget 3: page 0 (room 1), page 2 (2 > 1: skip), page 1 (skip) -> 0, 1
+    keep = select_keep(scores, positions, t([6], torch.long), t([3], torch.long), "head_page", block_size=2)
+    assert keep.tolist() == [[[True, True, True, False, False, False],
+                              [True, True, False, False, False, False]]]
+
+
+def test_head_page_being_filled_is_protected_per_head():
+    scores = t([[[9, 9, 8, 8, 7, 7, 0],
+                 [0, 0, 8, 8, 9, 9, 0]]])
+    # block 2, seen 7: page 3 = {6} is being filled; it goes first in every head whatever its score
+    # budget 3: head 0 -> page 3 (room 2), page 0 (9, room 0); head 1 -> page 3, page 2 (9)
+    keep = select_keep(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head_page",
+                       block_size=2)
+    assert keep.tolist() == [[[True, True, False, False, False, False, True],
+                              [False, False, False, False, True, True, True]]]
+    # "head" at the same budget keeps each head's best 3 tokens, position 6 (score 0) not among them
+    keep = select_keep(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head")
+    assert keep.tolist() == [[[True, True, True, False, False, False, False],
+                              [False, False, True, False, True, True, False]]]
+
+
+def test_head_page_budget_below_protected_keeps_the_sinks_then_the_most_recent():
+    scores = t([[[0, 0, 9, 9, 0, 0, 0, 0],
+                 [0, 0, 0, 0, 9, 9, 0, 0]]])
+    pos, seen = ordered_positions(1, 2, 8), t([8], torch.long)
+
+    def keep(budget):
+        return select_keep(scores, pos, seen, t([budget], torch.long), "head_page", block_size=2, sink_tokens=1,
+                           recent=t([3], torch.long)).tolist()
+
+    # sink 1 -> page 0; recent 3 of seen 8 -> positions 5, 6, 7 -> pages 3 then 2 (most recent first)
+    # order in both heads: page 0, page 3, page 2, then page 1 (head 0: 9; head 1: 0)
+    def both(row):
+        return [[row, row]]
+
+    assert keep(2) == both([True, True, False, False, False, False, False, False])
+    assert keep(4) == both([True, True, False, False, False, False, True, True])
+    assert keep(5) == both([True, True, False, False, False, False, True, True])  # page 2 (2 > 1) skipped
+    assert keep(6) == both([True, True, False, False, True, True, True, True])
+    assert keep(7) == both([True, True, False, False, True, True, True, True])  # page 1 (2 > 1) skipped
+
+
+def test_page_budget_below_one_page_keeps_no_whole_page():
+    # every page holds 2 tokens: a budget of 1 fits none (evalkit refuses such a budget: check_budget)
+    scores = t([[[0, 9, 9, 9, 9, 9, 9, 0]]])
+    for granularity in PAGE_GRANULARITIES:
+        keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([1], torch.long), granularity,
+                           block_size=2, sink_tokens=1, recent=t([1], torch.long))
+        assert not keep.any()
 
 
 # --- every granularity -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("granularity", ["head", "token", "page"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_budget_at_least_live_keeps_every_live_slot(granularity):
     positions = t([[[0, -1, 2, 3, -1, 5],
                     [-1, 1, 2, -1, 4, 5]]], torch.long)
@@ -182,17 +344,20 @@ def test_budget_at_least_live_keeps_every_live_slot(granularity):
         keep = select_keep(scores, positions, t([6], torch.long), t([budget], torch.long), granularity,
                            block_size=2)
         assert keep.tolist() == (positions >= 0).tolist()
-    if granularity == "head":  # per head, a budget of 4 = its live count is enough
-        keep = select_keep(scores, positions, t([6], torch.long), t([4], torch.long), granularity)
+    if granularity in ("head", "head_page"):  # per head, a budget of 4 = its live count is enough
+        keep = select_keep(scores, positions, t([6], torch.long), t([4], torch.long), granularity, block_size=2)
         assert keep.tolist() == (positions >= 0).tolist()
 
 
-@pytest.mark.parametrize("granularity", ["head", "token", "page"])
-def test_protected_tokens_survive_a_budget_of_one(granularity):
+@pytest.mark.parametrize("granularity", ["head", "token"])
+def test_a_budget_below_the_protected_tokens_keeps_the_sinks_then_the_most_recent(granularity):
     scores = t([[[0, 9, 9, 9, 9, 9, 9, 0]]])
-    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([1], torch.long), granularity,
-                       block_size=2, sink_tokens=1, recent=t([1], torch.long))
-    assert bool(keep[0, 0, 0]) and bool(keep[0, 0, 7])
+    pos, seen = ordered_positions(1, 1, 8), t([8], torch.long)
+    # sink 1 -> position 0; recent 2 of seen 8 -> 7, 6
+    for budget, expected in ((1, [0]), (2, [0, 7]), (3, [0, 6, 7]), (4, [0, 1, 6, 7])):
+        keep = select_keep(scores, pos, seen, t([budget], torch.long), granularity, sink_tokens=1,
+                           recent=t([2], torch.long))
+        assert pos[keep].tolist() == expected
 
 
 def test_per_row_budgets_and_seen():
@@ -210,6 +375,11 @@ def test_per_row_budgets_and_seen():
     # row 0: top-3 of [1,5,3,4,2] -> pos 1, 3, 2; row 1: top-1 of [1,5,3] -> pos 1
     assert keep.tolist() == [[[False, True, True, True, False]],
                              [[False, True, False, False, False]]]
+    keep = select_keep(scores, positions, seen, t([2, 2], torch.long), "page", block_size=2)
+    # row 0 (seen 5, page 2 = {4} being filled): page 2 (room 1), page 1 {2,3} mean 3.5 (skip), page 0 (skip)
+    # row 1 (seen 3, page 1 = {2} being filled): page 1 (room 1), page 0 {0,1} (skip)
+    assert keep.tolist() == [[[False, False, False, False, True]],
+                             [[False, False, True, False, False]]]
 
 
 def scramble(scores, positions, seed, empty=2, empty_score=1e6):
@@ -227,8 +397,8 @@ def scramble(scores, positions, seed, empty=2, empty_score=1e6):
     return s, p
 
 
-@pytest.mark.parametrize("granularity", ["head", "token", "page"])
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("seed", range(3))
 def test_storage_order_does_not_change_the_kept_positions(granularity, seed):
     B, H, T = 2, 3, 12
     g = torch.Generator().manual_seed(100 + seed)
@@ -244,7 +414,7 @@ def test_storage_order_does_not_change_the_kept_positions(granularity, seed):
     assert not scrambled[p < 0].any()  # an empty slot is never kept, whatever its score
 
 
-@pytest.mark.parametrize("granularity", ["head", "token", "page"])
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_bf16_scores_select_like_float32(granularity):
     # A scorer working on bf16 keys returns bf16 scores; selection must accept them.
     scores = SCORES_2H.to(torch.bfloat16)
@@ -260,105 +430,382 @@ def test_unknown_granularity_is_an_error():
         select_keep(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), "layer")
 
 
+# --- select_adaptive (Ada-KV) ------------------------------------------------------------------
+
+def test_adaptive_selection_splits_a_layer_budget_across_heads_by_score():
+    # Two heads, budget 2 per head -> 4 for the layer; safeguard 0.5 -> each head keeps its best 1 first.
+    scores = t([[[9, 8, 7, 0], [1, 0, 0.5, 0.2]]])
+    keep = select_adaptive(scores, ordered_positions(1, 2, 4), t([4], torch.long), t([2], torch.long),
+                           alpha_safeguard=0.5)
+    # forced: head 0 pos 0 (9), head 1 pos 0 (1); the two left go to 8 and 7, both in head 0
+    assert keep.int().tolist() == [[[1, 1, 1, 0], [1, 0, 0, 0]]]
+
+
+def test_adaptive_selection_protected_tokens_stay_within_the_head_budget():
+    scores = t([[[9, 9, 9, 0, 0, 0], [0, 0, 0, 0, 0, 0]]])
+    # budget 2 per head (layer: 4), recent 3 -> positions 5, 4, 3 protected; each head forces at most 2 of them,
+    # the most recent first: 5, 4 in both heads -> the layer's 4 are spent
+    keep = select_adaptive(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([2], torch.long),
+                           alpha_safeguard=0.2, recent=t([3], torch.long))
+    assert keep.int().tolist() == [[[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]]]
+    # budget 3 (layer: 6): each head forces 5, 4, 3 -> 6 spent, head 0's 9s stay out
+    keep = select_adaptive(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([3], torch.long),
+                           alpha_safeguard=0.2, recent=t([3], torch.long))
+    assert keep.int().tolist() == [[[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]]]
+
+
+def test_adaptive_selection_ties_go_to_the_lower_head_then_the_earlier_position():
+    scores = t([[[5, 5, 0], [5, 5, 0]]])
+    # budget 1 per head, alpha 0.5 -> ceil(0.5) = 1 forced each: head 0 pos 0, head 1 pos 0; layer total 2
+    keep = select_adaptive(scores, ordered_positions(1, 2, 3), t([3], torch.long), t([1], torch.long),
+                           alpha_safeguard=0.5)
+    assert keep.int().tolist() == [[[1, 0, 0], [1, 0, 0]]]
+    scores = t([[[9, 5, 5], [9, 5, 0]]])
+    # budget 2 per head (layer: 4), alpha 0.5 -> 1 forced each: the two 9s; 2 left for three 5s:
+    # head 0 pos 1, head 0 pos 2 (lower head first, then earlier position), not head 1 pos 1
+    keep = select_adaptive(scores, ordered_positions(1, 2, 3), t([3], torch.long), t([2], torch.long),
+                           alpha_safeguard=0.5)
+    assert keep.int().tolist() == [[[1, 1, 1], [1, 0, 0]]]
+
+
 # --- properties --------------------------------------------------------------------------------
+#
+# Random cases: scores (few levels -> ties, or many), live sets with holes, each head's slots in a random
+# storage order with empty slots (scored 1e6, never to be kept), per-row `seen`, budgets, recent counts,
+# sinks and block sizes. `reference_keep` is docs/policies.md's rule written as plain loops over positions.
+
+BLOCKS = (1, 2, 4, 16)
+
+
+@dataclass(frozen=True)
+class Page:
+    positions: frozenset
+    mean: Fraction  # mean score over the (head, token) pairs it holds
+    sink: bool  # holds a sink
+    protected: bool  # holds a protected position, or is the page being filled
+
+    @property
+    def count(self) -> int:
+        return len(self.positions)
+
+
+@dataclass
+class Case:
+    held: list  # [b][h] {position: integer score}
+    seen: list
+    budget: list
+    recent: list
+    block: int
+    sinks: int
+    width: int  # slots per head (empty ones included)
+    storage_seed: int
+
+    @property
+    def B(self):
+        return len(self.held)
+
+    @property
+    def H(self):
+        return len(self.held[0])
+
+    def tensors(self, storage_seed=None):
+        """(scores, positions) [B, H, N]: each head's tokens in a random slot order, empty slots between."""
+        g = torch.Generator().manual_seed(self.storage_seed if storage_seed is None else storage_seed)
+        scores = torch.full((self.B, self.H, self.width), 1e6)
+        positions = torch.full((self.B, self.H, self.width), -1, dtype=torch.long)
+        for b in range(self.B):
+            for h in range(self.H):
+                tokens = sorted(self.held[b][h].items())
+                slots = torch.randperm(self.width, generator=g)[:len(tokens)]
+                for slot, (p, score) in zip(slots.tolist(), tokens):
+                    positions[b, h, slot], scores[b, h, slot] = p, float(score)
+        return scores, positions
+
+    def args(self):
+        return torch.tensor(self.seen), torch.tensor(self.budget)
+
+    def kept(self, granularity, storage_seed=None):
+        """[b][h] set of positions select_keep keeps."""
+        scores, positions = self.tensors(storage_seed)
+        seen, budget = self.args()
+        keep = select_keep(scores, positions, seen, budget, granularity, self.block, self.sinks,
+                           torch.tensor(self.recent))
+        assert not keep[positions < 0].any()  # an empty slot is never kept, whatever its score
+        return kept_positions(keep, positions)
+
+    def is_sink(self, p):
+        return p < self.sinks
+
+    def is_protected(self, b, p):
+        return p < self.sinks or p >= self.seen[b] - self.recent[b]
+
+    def pages(self, b, heads) -> dict:
+        """{page: Page} of row b over the tokens the `heads` hold (all of them for `page`, one for `head_page`)."""
+        S, seen = self.block, self.seen[b]
+        held = [self.held[b][h] for h in heads]
+        positions = set().union(*held)
+        filling = (seen - 1) // S if seen % S else None
+        out = {}
+        for q in sorted({p // S for p in positions}):
+            mine = frozenset(p for p in positions if p // S == q)
+            pairs = [scores[p] for scores in held for p in mine if p in scores]
+            out[q] = Page(mine, Fraction(sum(pairs), len(pairs)), any(self.is_sink(p) for p in mine),
+                          any(self.is_protected(b, p) for p in mine) or q == filling)
+        return out
+
+
+def keep_key(unit, sink, protected, score):
+    """docs/policies.md's keep order: sinks ascending, other protected most recent first, the rest by score
+    (highest first, ties to the earlier unit)."""
+    return (0, unit) if sink else (1, -unit) if protected else (2, -score, unit)
+
+
+def page_key(q, page: Page):
+    return keep_key(q, page.sink, page.protected, page.mean)
+
+
+def greedy(pages: dict, budget: int) -> list:
+    """Pages taken walking the keep order, each one whose tokens still fit; the others skipped."""
+    room, taken = budget, []
+    for q in sorted(pages, key=lambda q: page_key(q, pages[q])):
+        if pages[q].count <= room:
+            taken.append(q)
+            room -= pages[q].count
+    return taken
+
+
+def reference_keep(case: Case, granularity: str) -> list:
+    out = []
+    for b in range(case.B):
+        held, k = case.held[b], case.budget[b]
+
+        def ranked(scores: dict) -> list:
+            return sorted(scores, key=lambda p: keep_key(p, case.is_sink(p), case.is_protected(b, p), scores[p]))
+
+        if granularity == "head":
+            out.append([set(ranked(scores)[:k]) for scores in held])
+        elif granularity == "token":
+            union = set().union(*held)
+            mean = {p: Fraction(sum(s[p] for s in held if p in s), sum(p in s for s in held)) for p in union}
+            kept = set(ranked(mean)[:k])
+            out.append([kept & set(s) for s in held])
+        elif granularity == "page":
+            pages = case.pages(b, range(case.H))
+            kept = set().union(*(pages[q].positions for q in greedy(pages, k)))
+            out.append([kept & set(s) for s in held])
+        else:
+            row = []
+            for h in range(case.H):
+                pages = case.pages(b, [h])
+                row.append(set().union(*(pages[q].positions for q in greedy(pages, k))))
+            out.append(row)
+    return out
+
 
 @st.composite
-def selection_case(draw, distinct=False):
-    """Random live sets per head, random scores, scrambled slots; returns everything select_keep needs."""
-    B = draw(st.integers(1, 3))
-    H = draw(st.integers(1, 3))
-    T = draw(st.integers(1, 12))
+def cases(draw, max_len=40, blocks=BLOCKS, max_heads=3):
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, max_heads))
+    block = draw(st.sampled_from(blocks))
+    seen = [draw(st.integers(1, max_len)) for _ in range(B)]
+    budget = [draw(st.integers(1, s + 2)) for s in seen]
+    recent = [draw(st.integers(0, s)) for s in seen]
+    sinks = draw(st.integers(0, 3))
+    density = draw(st.sampled_from([0.3, 0.7, 0.9, 1.0]))
+    levels = draw(st.sampled_from([3, 1000]))  # 3 score levels: many ties; 1000: few
+    empty = draw(st.integers(0, 3))
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
-    present = torch.rand(B, H, T, generator=g) < draw(st.floats(0.3, 1.0))
-    if distinct:
-        scores = torch.randperm(B * H * T, generator=g).float().view(B, H, T)
-    else:
-        scores = torch.randint(0, 4, (B, H, T), generator=g).float()  # ties on purpose
-    positions = torch.where(present, ordered_positions(B, H, T), -1)
-    s, p = scramble(scores, positions, seed, empty=draw(st.integers(0, 3)))  # holes stay holes
-    seen = torch.full((B,), T, dtype=torch.long)
-    budget = torch.tensor(draw(st.lists(st.integers(1, T + 2), min_size=B, max_size=B)))
-    return s, p, seen, budget
-
-
-def n_protected(p, seen, sink, recent):
-    return ((p >= 0) & ((p < sink) | (p >= (seen - recent)[:, None, None]))).sum(-1)
-
-
-@settings(max_examples=200, deadline=None)
-@given(selection_case(), st.integers(0, 2), st.integers(0, 2))
-def test_head_keeps_min_of_budget_and_live_unless_protection_needs_more(case, sink, recent_n):
-    s, p, seen, budget = case
-    recent = torch.full_like(seen, recent_n)
-    keep = select_keep(s, p, seen, budget, "head", sink_tokens=sink, recent=recent)
-    live = (p >= 0).sum(-1)
-    prot = n_protected(p, seen, sink, recent)
-    expected = torch.maximum(torch.minimum(budget[:, None], live), prot)  # = min(budget, live) if prot <= budget
-    assert keep.sum(-1).tolist() == expected.tolist()
-    assert not keep[p < 0].any()
-    protected_slot = (p >= 0) & ((p < sink) | (p >= (seen - recent)[:, None, None]))
-    assert keep[protected_slot].all()
-
-
-@settings(max_examples=200, deadline=None)
-@given(selection_case(distinct=True))
-def test_head_without_protection_keeps_the_top_k_scores(case):
-    s, p, seen, budget = case
-    keep = select_keep(s, p, seen, budget, "head")
-    B, H, _ = s.shape
+    held = []
     for b in range(B):
-        for h in range(H):
-            live = p[b, h] >= 0
-            k = min(int(budget[b]), int(live.sum()))
-            top = torch.topk(s[b, h][live], k).indices
-            assert set(p[b, h][live][top].tolist()) == set(p[b, h][keep[b, h]].tolist())
+        present = torch.rand(H, seen[b], generator=g) < density
+        values = torch.randint(0, levels, (H, seen[b]), generator=g)
+        held.append([{p: int(values[h, p]) for p in range(seen[b]) if present[h, p]} for h in range(H)])
+    return Case(held, seen, budget, recent, block, sinks, max(seen) + empty, seed + 1)
 
 
-@settings(max_examples=200, deadline=None)
-@given(selection_case(), st.sampled_from([1, 2, 4]), st.integers(0, 2), st.integers(0, 2))
-def test_page_keeps_a_union_of_whole_pages_within_budget(case, block, sink, recent_n):
-    s, p, seen, budget = case
-    recent = torch.full_like(seen, recent_n)
-    keep = select_keep(s, p, seen, budget, "page", block_size=block, sink_tokens=sink, recent=recent)
-    B, H, _ = s.shape
-    assert not keep[p < 0].any()
-    for b in range(B):
-        held = set(p[b][p[b] >= 0].tolist())
-        kept = set(p[b][keep[b]].tolist())
-        protected = {x for x in held if x < sink or x >= int(seen[b]) - recent_n}
-        for h in range(H):  # a position is kept in every head that holds it, or in none
-            held_h = set(p[b, h][p[b, h] >= 0].tolist())
-            assert set(p[b, h][keep[b, h]].tolist()) == kept & held_h
-        pages = {x // block for x in kept}
-        assert kept == {x for x in held if x // block in pages}  # whole pages only
-        protected_pages = {x // block for x in protected}
-        assert protected_pages <= pages
-        protected_tokens = len({x for x in held if x // block in protected_pages})
-        assert len(kept) <= max(int(budget[b]), protected_tokens)
+def live_count(case, b, h=None):
+    """Distinct positions held in row b (by head h, or by any head)."""
+    heads = range(case.H) if h is None else [h]
+    return len(set().union(*(case.held[b][x] for x in heads)))
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.data())
-def test_token_masks_are_identical_across_heads(data):
-    B, H, T = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 3)), data.draw(st.integers(1, 12))
-    seed = data.draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    present = (torch.rand(B, 1, T, generator=g) < 0.7).expand(B, H, T)  # every head holds the same tokens
-    scores = torch.randint(0, 4, (B, H, T), generator=g).float()
-    positions = torch.where(present, ordered_positions(B, H, T), -1)
-    s, p = scramble(scores, positions, seed, empty=data.draw(st.integers(0, 3)))  # each head its own order
-    seen = torch.full((B,), T, dtype=torch.long)
-    budget = torch.tensor(data.draw(st.lists(st.integers(1, T + 2), min_size=B, max_size=B)))
-    sink, recent_n = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))
-    keep = select_keep(s, p, seen, budget, "token", sink_tokens=sink, recent=torch.full_like(seen, recent_n))
-    kept = kept_positions(keep, p)
-    for b in range(B):
-        assert all(kept[b][h] == kept[b][0] for h in range(H))
-        live = int(present[b, 0].sum())
-        prot = sum(1 for x in range(T) if bool(present[b, 0, x]) and (x < sink or x >= T - recent_n))
-        assert len(kept[b][0]) == max(min(int(budget[b]), live), prot)
+@settings(max_examples=60, deadline=None)
+@given(cases())
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_selection_follows_the_rule_book(granularity, case):
+    assert case.kept(granularity) == reference_keep(case, granularity)
 
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_tokens_kept_per_head_are_within_the_budget_and_fill_it(granularity, case):
+    kept = case.kept(granularity)
+    S = case.block
+    for b in range(case.B):
+        k = case.budget[b]
+        # (a) every granularity: a (b, head) never holds more than its budget, protected tokens included
+        assert all(len(kept[b][h]) <= k for h in range(case.H))
+        if granularity == "head":  # exactly min(budget, live) per head
+            assert [len(kept[b][h]) for h in range(case.H)] == [min(k, live_count(case, b, h)) for h in range(case.H)]
+        elif granularity == "token":  # exactly min(budget, distinct live positions), one set for all heads
+            union = set().union(*kept[b])
+            assert len(union) == min(k, live_count(case, b))
+            assert all(kept[b][h] == union & set(case.held[b][h]) for h in range(case.H))
+        else:
+            # (b) greedy fill: a page is dropped only when it did not fit in the room left, and the room only
+            # shrinks, so at the end every dropped page is larger than the room: kept > k - min(dropped size).
+            # Every page holds <= S tokens, hence kept >= k - (S - 1) unless everything was kept.
+            units = [(None, set().union(*kept[b]))] if granularity == "page" else list(enumerate(kept[b]))
+            for h, kept_unit in units:
+                pages = case.pages(b, range(case.H) if h is None else [h])
+                n_live = live_count(case, b, h)
+                assert len(kept_unit) <= k
+                dropped = [pg.count for pg in pages.values() if not pg.positions <= kept_unit]
+                if dropped:
+                    assert len(kept_unit) > k - min(dropped)
+                    assert len(kept_unit) >= k - (S - 1)
+                else:
+                    assert len(kept_unit) == n_live
+                if k >= S:
+                    assert len(kept_unit) >= min(n_live, k - (S - 1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_head_without_protection_keeps_the_top_k_with_ties_to_earlier_positions(case):
+    case.sinks, case.recent = 0, [0] * case.B
+    kept = case.kept("head")
+    for b in range(case.B):
+        for h in range(case.H):
+            scores = case.held[b][h]
+            top = sorted(scores, key=lambda p: (-scores[p], p))[:case.budget[b]]
+            assert kept[b][h] == set(top)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+@pytest.mark.parametrize("granularity", PAGE_GRANULARITIES)
+def test_pages_kept_rank_above_every_dropped_page_that_would_have_fit(granularity, case):
+    kept = case.kept(granularity)
+    for b in range(case.B):
+        k = case.budget[b]
+        units = [(range(case.H), set().union(*kept[b]))] if granularity == "page" else \
+            [([h], kept[b][h]) for h in range(case.H)]
+        for heads, kept_unit in units:
+            pages = case.pages(b, heads)
+            taken = {q for q, pg in pages.items() if pg.positions <= kept_unit}
+            assert kept_unit == set().union(*(pages[q].positions for q in taken))  # whole pages
+            for d in set(pages) - taken:
+                # a page no larger than a kept one could have been taken in its place, had it ranked higher
+                for u in taken:
+                    if pages[d].count <= pages[u].count:
+                        assert page_key(u, pages[u]) < page_key(d, pages[d])
+                # and it did not fit in the room left by the kept pages ranked before it
+                before = sum(pages[u].count for u in taken if page_key(u, pages[u]) < page_key(d, pages[d]))
+                assert pages[d].count > k - before
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_protected_tokens_beyond_the_budget_keep_the_sinks_then_the_most_recent(granularity, case):
+    kept = case.kept(granularity)
+    for b in range(case.B):
+        k = case.budget[b]
+        if granularity in ("head", "token"):
+            units = [(h, set(case.held[b][h])) for h in range(case.H)] if granularity == "head" else \
+                [(None, set().union(*case.held[b]))]
+            for h, live in units:
+                kept_unit = kept[b][h] if h is not None else set().union(*kept[b])
+                sinks = sorted(p for p in live if case.is_sink(p))
+                recent = sorted((p for p in live if case.is_protected(b, p) and not case.is_sink(p)), reverse=True)
+                protected = sinks + recent
+                if len(protected) >= k:  # protection alone fills the budget: the first k of sinks, then recent
+                    assert kept_unit == set(protected[:k])
+                else:  # every protected token is kept
+                    assert set(protected) <= kept_unit
+        else:
+            for heads, kept_unit in ([(range(case.H), set().union(*kept[b]))] if granularity == "page" else
+                                     [([h], kept[b][h]) for h in range(case.H)]):
+                pages = case.pages(b, heads)
+                protected = {q: pg for q, pg in pages.items() if pg.protected or pg.sink}
+                kept_protected = {q for q in protected if protected[q].positions <= kept_unit}
+                # protected pages are walked first (sink pages ascending, then most recent first): the ones kept
+                # are what the greedy fill takes from them alone, whatever the other pages
+                assert kept_protected == set(greedy(protected, k))
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.integers(0, 2**31 - 1))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_storage_order_never_changes_the_kept_positions(granularity, case, other_seed):
+    assert case.kept(granularity) == case.kept(granularity, storage_seed=other_seed)
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_head_page_keeps_whole_position_pages_per_head(case):
+    kept = case.kept("head_page")
+    S = case.block
+    for b in range(case.B):
+        for h in range(case.H):
+            live = set(case.held[b][h])
+            for q in {p // S for p in live}:
+                page = {p for p in live if p // S == q}
+                assert page <= kept[b][h] or not (page & kept[b][h])
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_page_keeps_the_same_whole_pages_in_every_head(case):
+    kept = case.kept("page")
+    S = case.block
+    for b in range(case.B):
+        union = set().union(*kept[b])
+        held = set().union(*case.held[b])
+        assert union == {p for p in held if p // S in {x // S for x in union}}  # whole pages of any head's tokens
+        for h in range(case.H):  # a position is kept in every head that holds it, or in none
+            assert kept[b][h] == union & set(case.held[b][h])
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(blocks=(1,)))
+def test_one_token_pages_are_tokens_and_per_head_pages_are_heads(case):
+    # block 1: a page is a position, it holds one token and nothing is ever being filled
+    assert case.kept("page") == case.kept("token")
+    assert case.kept("head_page") == case.kept("head")
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(max_heads=1))
+def test_with_one_kv_head_page_and_head_page_agree(case):
+    assert case.kept("page") == case.kept("head_page")
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases(), st.sampled_from([0.0, 0.2, 0.5, 1.0]))
+def test_adaptive_keeps_the_layer_budget_and_every_heads_floor(case, alpha):
+    scores, positions = case.tensors()
+    seen, budget = case.args()
+    keep = select_adaptive(scores, positions, seen, budget, alpha, case.sinks, torch.tensor(case.recent))
+    assert not keep[positions < 0].any()
+    kept = kept_positions(keep, positions)
+    other_scores, other_positions = case.tensors(storage_seed=case.storage_seed + 7)
+    other = select_adaptive(other_scores, other_positions, seen, budget, alpha, case.sinks, torch.tensor(case.recent))
+    assert kept_positions(other, other_positions) == kept  # storage order does not matter
+    for b in range(case.B):
+        k = case.budget[b]
+        lives = [live_count(case, b, h) for h in range(case.H)]
+        # (g) the layer keeps budget x H_kv in all (or everything, if less is live)
+        assert sum(len(s) for s in kept[b]) == min(k * case.H, sum(lives))
+        for h in range(case.H):
+            assert len(kept[b][h]) >= min(lives[h], math.ceil(alpha * k))
+            live = case.held[b][h]
+            protected = sorted((p for p in live if case.is_sink(p))) + \
+                sorted((p for p in live if case.is_protected(b, p) and not case.is_sink(p)), reverse=True)
+            assert set(protected[:k]) <= kept[b][h]  # its protected tokens, in the keep order, at most k
 
 # --- resolve_budget ----------------------------------------------------------------------------
 
