@@ -1,7 +1,10 @@
 import json
 import random
 
+import longbench_reference
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evalkit.assets import default_model_dir
 from evalkit.errors import EvalkitError
@@ -362,3 +365,139 @@ def test_group_shares_samples_over_the_english_datasets_and_scores_each_its_way(
     assert group.score("the answer qasper!", ["answer qasper"]) == 1.0  # qa_f1 normalises
     with pytest.raises(ValueError, match="meta"):
         group.score("shared", ["shared"])
+
+
+# --- metrics against LongBench's published definitions, on random cases ------------------------
+#
+# tests/longbench_reference.py re-implements LongBench's metrics.py and eval.py (and the rouge and
+# fuzzywuzzy calls they make) from the published sources, sharing no code with evalkit. Random
+# cases are built from pieces chosen to reach the definitions' corners: articles and punctuation
+# (normalize_answer), "." and odd whitespace (rouge's sentence split), characters whose lower case
+# is longer (İ), digit runs (count, retrieval), class names that are substrings of one another and
+# repeat (classification), and "`", "#", "//" and newlines (code_sim's first code line).
+# Seeded runs draw the same cases every time (SEEDED_CASES per metric, DATASET_CASES per dataset);
+# hypothesis (HYPOTHESIS_CASES per metric, derandomized) draws more and shrinks a failure to a small case.
+
+SEEDED_CASES = 4000  # per metric: 24,000 cases over the six metrics
+HYPOTHESIS_CASES = 100  # per metric: 600 more
+DATASET_CASES = 250  # per dataset, through LongBenchTask.score: 4,000 more
+
+PIECES = ["the", "The", "a", "an", "A", "cat", "Cat", "sat", "mat", "on", "Paris", "paris", "naïve", "İ", "ß",
+          "1", "7", "12", "07", "٣", "3.5", "x = f(1)", "return", "{", "}", "`", "```", "#", "//", "/", "Paragraph",
+          ".", "..", ",", "!", "?", "'", "-", "“", "”", " ", " ", " ", "  ", "\n", "\n\n", "\t", "\r", "\x0b",
+          "\x1c", "\u00a0", "\u3000", "\u2028"]
+CLASS_NAMES = ["animal", "other animal", "mal", "date", "Date", "location", "other location", "entity",
+               "abbreviation", "human being", "human", "an"]
+METRIC_NAMES = ["qa_f1", "rouge_l", "count", "retrieval", "classification", "code_sim"]
+
+
+def random_case(metric, pick):
+    """(prediction, ground truth, all_classes or None) for `metric`; `pick` has choice() and randint()."""
+    def text(most):
+        return "".join(pick.choice(PIECES) for _ in range(pick.randint(0, most)))
+
+    def number():
+        return str(pick.randint(0, 25))
+
+    def joined(most, part):
+        return " ".join(part() for _ in range(pick.randint(0, most)))
+
+    if metric in ("qa_f1", "rouge_l"):
+        return text(40), text(15), None
+    if metric == "count":
+        return joined(10, lambda: pick.choice([number, lambda: text(3)])()), number(), None
+    if metric == "retrieval":
+        return (joined(8, lambda: pick.choice([lambda: f"Paragraph {number()}", number, lambda: text(3)])()),
+                f"Paragraph {number()}", None)
+    if metric == "classification":
+        classes = [pick.choice(CLASS_NAMES) for _ in range(pick.randint(0, 8))]  # repeats allowed
+        return joined(6, lambda: pick.choice([pick.choice(CLASS_NAMES), text(2)])), pick.choice(CLASS_NAMES), classes
+    if metric == "code_sim":
+        return "\n".join(text(8) for _ in range(pick.randint(0, 5))), pick.choice([text(8), ""]), None
+    raise ValueError(metric)
+
+
+class Drawn:
+    """`random_case`'s choices drawn by hypothesis, so that a failing case shrinks."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def choice(self, options):
+        return self.data.draw(st.sampled_from(options))
+
+    def randint(self, low, high):
+        return self.data.draw(st.integers(low, high))
+
+
+REFERENCE_SCORES = {"qa_f1": longbench_reference.qa_f1_score, "rouge_l": longbench_reference.rouge_score,
+                    "count": longbench_reference.count_score, "retrieval": longbench_reference.retrieval_score,
+                    "classification": longbench_reference.classification_score,
+                    "code_sim": longbench_reference.code_sim_score}
+EVALKIT_SCORES = {"qa_f1": qa_f1_score, "rouge_l": rouge_l_score, "count": count_score,
+                  "retrieval": retrieval_score, "classification": classification_score, "code_sim": code_sim_score}
+
+
+def check_case(metric, prediction, truth, classes):
+    extra = {} if classes is None else {"all_classes": classes}
+    expected = REFERENCE_SCORES[metric](prediction, truth, **extra)
+    got = EVALKIT_SCORES[metric](prediction, truth, *extra.values())
+    assert got == expected, (metric, prediction, truth, classes)  # the same float, not merely close
+
+
+@pytest.mark.parametrize("metric", METRIC_NAMES)
+def test_each_metric_equals_longbenchs_published_definition(metric):
+    rng = random.Random(f"longbench-{metric}")
+    for _ in range(SEEDED_CASES):
+        check_case(metric, *random_case(metric, rng))
+
+
+@pytest.mark.parametrize("metric", METRIC_NAMES)
+@settings(max_examples=HYPOTHESIS_CASES, deadline=None, derandomize=True, database=None)
+@given(data=st.data())
+def test_each_metric_equals_longbenchs_published_definition_shrinking(metric, data):
+    check_case(metric, *random_case(metric, Drawn(data)))
+
+
+@pytest.mark.parametrize("dataset", ENGLISH)
+def test_each_dataset_scores_as_longbenchs_eval_py(dataset):
+    """The task's score (metric, first-line cut, best over one to three answers) against eval.py's scorer."""
+    metric = {"qa_f1_score": "qa_f1", "rouge_score": "rouge_l", "count_score": "count",
+              "retrieval_score": "retrieval", "classification_score": "classification",
+              "code_sim_score": "code_sim"}[longbench_reference.DATASET2METRIC[dataset].__name__]
+    rng = random.Random(f"longbench-{dataset}")
+    for _ in range(DATASET_CASES):
+        cases = [random_case(metric, rng) for _ in range(rng.randint(1, 3))]
+        prediction = rng.choice(["\n", "\n\n", " "]).join(case[0] for case in cases)  # several lines at times
+        answers, classes = [case[1] for case in cases], cases[0][2] or CLASS_NAMES
+        expected = longbench_reference.score_one(dataset, prediction, answers, classes)
+        got = LongBenchTask(dataset).score(prediction, answers, meta={"all_classes": classes})
+        assert got == expected, (prediction, answers, classes)
+
+
+def test_a_retrieval_reference_without_a_paragraph_is_refused_by_both():
+    with pytest.raises(IndexError):
+        longbench_reference.retrieval_score("1", "the first")
+    with pytest.raises(ValueError, match="Paragraph N"):
+        retrieval_score("1", "the first")
+
+
+def test_the_reference_equals_the_published_packages():
+    """Checks the reference itself where rouge 1.0.1 and fuzzywuzzy 0.18.0 are importable (they are not in
+    requirements.txt: `pip install --target DIR rouge==1.0.1 fuzzywuzzy==0.18.0`, then PYTHONPATH=DIR)."""
+    rouge = pytest.importorskip("rouge")
+    fuzz = pytest.importorskip("fuzzywuzzy.fuzz")
+
+    def published_rouge(prediction, truth):  # metrics.py's rouge_score
+        try:
+            return rouge.Rouge().get_scores([prediction], [truth], avg=True)["rouge-l"]["f"]
+        except Exception:
+            return 0.0
+
+    rng = random.Random("published")
+    for _ in range(SEEDED_CASES):
+        prediction, truth, _ = random_case("rouge_l", rng)
+        assert longbench_reference.rouge_score(prediction, truth) == published_rouge(prediction, truth)
+        code, line, _ = random_case("code_sim", rng)
+        for a, b in ((code, line), (prediction, truth)):
+            assert longbench_reference.fuzz_ratio(a, b) == fuzz.ratio(a, b), (a, b)

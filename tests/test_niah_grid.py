@@ -136,6 +136,7 @@ def test_the_needle_sits_once_at_its_depth_after_a_sentence_end(grid_samples):
 
 def test_score_is_the_share_of_the_needle_facts_found():
     task = NiahGrid()
+    assert FACTS == ["sandwich", "Dolores Park"]  # gkamradt's needle's two facts
     assert task.score("Eat a sandwich and sit in Dolores Park.", FACTS) == 1.0
     assert task.score("Sit in dolores park on a sunny day", FACTS) == 0.5
     assert task.score("Visit the Golden Gate Bridge.", FACTS) == 0.0
@@ -143,12 +144,12 @@ def test_score_is_the_share_of_the_needle_facts_found():
 
 # --- heatmaps --------------------------------------------------------------------------------
 
-def record(length, depth, score):
-    return {"id": f"niah-{length}-{depth}", "score": score, "meta": {"length": length, "depth": depth}}
+def record(length, depth, score, repeat=0):
+    return {"id": f"niah-{length}-{depth:g}-{repeat}", "score": score, "meta": {"length": length, "depth": depth}}
 
 
-RECORDS = [record(512, 0.0, 1.0), record(512, 0.0, 0.5), record(512, 50.0, 0.0), record(1024, 0.0, 0.5),
-           record(1024, 100.0, 1.0)]
+RECORDS = [record(512, 0.0, 1.0), record(512, 0.0, 0.5, repeat=1), record(512, 50.0, 0.0), record(1024, 0.0, 0.5),
+           record(1024, 100.0, 1.0)]  # ids unique, as in a run (a repeated id is a resumed run's duplicate)
 
 
 def test_the_score_grid_is_the_mean_per_depth_and_length():
@@ -248,7 +249,11 @@ def test_a_grid_run_on_the_default_model_writes_its_heatmap(tmp_path):
     assert title == "full @ 1.0" and len(records) == 2 == result.metrics["samples"]
     assert [(r["meta"]["length"], r["meta"]["depth"]) for r in records] == [(300, 50.0), (400, 50.0)]
     assert result.metrics["metric"] == "string_match_all" and result.metrics["higher_is_better"] is True
-    assert result.metrics["score"] == 1.0  # the whole cache finds the needle
+    # Each sample scores the share of the needle's two facts its answer names, ignoring case; the run, their mean.
+    for r in records:
+        answer = r["prediction"].lower()
+        assert r["score"] == (("sandwich" in answer) + ("dolores park" in answer)) / 2
+    assert result.metrics["score"] == pytest.approx(sum(r["score"] for r in records) / 2)
     png_size(folder / "heatmap.png")
     assert (folder / "metrics.json").exists() and not list(folder.glob("*.tmp"))
 

@@ -1,7 +1,7 @@
 """`ppl`: passages, per-bucket loss, the Austen text, and the runner's streaming perplexity.
 
 Budget 1 must equal the full model's loss over the whole passage in one forward
-pass; a lower budget must change it.
+pass; StreamingLLM at a lower budget, the same pass masked to the tokens it keeps.
 """
 
 import json
@@ -138,26 +138,31 @@ def ppl_run(folder, out, policy, budget):
     return result.metrics, records
 
 
-def full_forward_nll(folder, records) -> list[list[float]]:
-    """Per passage, the negative log-probability of each token from position CHUNK on, in one forward pass."""
+def forward_nll(folder, records, allowed=None) -> list[list[float]]:
+    """Per passage, the negative log-probability of each token from position CHUNK on, in one forward
+    pass of the whole passage; `allowed(query, key)` (positions) masks attention where given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     samples = {s.id: s for s in Perplexity(text="essays").samples(None, LENGTH, 2, seed=0)}
+    mask = None
+    if allowed is not None:
+        visible = torch.tensor([[allowed(q, k) for k in range(LENGTH)] for q in range(LENGTH)])
+        mask = visible[None, None]  # a 4D mask: transformers applies it as given
     losses = []
     for record in records:
         ids = tokenizer(samples[record["id"]].context).input_ids[:LENGTH]
         with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+            logprobs = torch.log_softmax(model(torch.tensor([ids]), attention_mask=mask).logits[0].double(), -1)
         losses.append([-float(logprobs[p - 1, ids[p]]) for p in range(CHUNK, LENGTH)])
     return losses
 
 
-def test_budget_one_equals_one_full_forward_pass_and_a_lower_budget_changes_it(tiny_folder, tmp_path):
+def test_budget_one_equals_one_full_forward_pass(tiny_folder, tmp_path):
     full, records = ppl_run(tiny_folder, tmp_path, "full", 1.0)
     assert len(records) == 2 and full["scored_from"] == CHUNK and full["scored_tokens"] == 2 * (LENGTH - CHUNK)
-    reference = full_forward_nll(tiny_folder, records)
+    reference = forward_nll(tiny_folder, records)
     for record, losses in zip(records, reference):
         assert record["prompt_tokens"] == LENGTH - 1 == record["kept_tokens"]  # every fed token kept
         assert record["nll"] == pytest.approx(sum(losses), rel=1e-5)
@@ -171,11 +176,33 @@ def test_budget_one_equals_one_full_forward_pass_and_a_lower_budget_changes_it(t
         (64, 128, 128), (128, 192, 128), (192, 256, 128), (256, 300, 88)]  # two passages a bucket
     assert full["text"].startswith("Paul Graham essays") and full["higher_is_better"] is False
 
-    evicted, evicted_records = ppl_run(tiny_folder, tmp_path, "h2o_head", 0.2)
-    assert abs(evicted["perplexity"] - full["perplexity"]) > 1e-3 * full["perplexity"]
-    assert all(r["kept_tokens"] == math.ceil(0.2 * (LENGTH - 1)) for r in evicted_records)
+
+def test_a_lower_budget_equals_a_forward_pass_masked_to_what_streaming_llm_keeps(tiny_folder, tmp_path):
+    """StreamingLLM's rule applied by hand: after every chunk the cache keeps the 4 first tokens and
+    the most recent ones, budget in all; a query sees what was kept before its chunk, and its own
+    chunk up to itself. Positions never shift, so one forward pass with that mask is the expectation."""
+    budget = math.ceil(0.2 * (LENGTH - 1))  # 0.2 of the 299 fed tokens: 59.8 -> 60 per head
+    sinks, recent = 4, budget - 4
+
+    def allowed(query, key):
+        if key > query:
+            return False
+        start = query // CHUNK * CHUNK  # the query's chunk
+        if key >= start or start <= budget:  # its own chunk; or nothing evicted yet
+            return True
+        return key < sinks or key >= start - recent
+
+    evicted, records = ppl_run(tiny_folder, tmp_path, "streaming_llm", 0.2)
+    assert all(r["kept_tokens"] == budget for r in records)
     assert evicted["held_over_full"] < 0.5
-    assert [b["start"] for b in evicted["by_position"]] == [b["start"] for b in full["by_position"]]
+    reference = forward_nll(tiny_folder, records, allowed)
+    for record, losses in zip(records, reference):
+        assert record["nll"] == pytest.approx(sum(losses), rel=1e-5)
+        for bucket in record["buckets"]:
+            part = losses[bucket["start"] - CHUNK:bucket["end"] - CHUNK]
+            assert bucket["nll"] == pytest.approx(sum(part), rel=1e-5)
+    # The expectation is not the full cache's: the mask hides something.
+    assert sum(map(sum, reference)) != pytest.approx(sum(map(sum, forward_nll(tiny_folder, records))), rel=1e-3)
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -184,7 +211,7 @@ def test_budget_one_equals_one_full_forward_pass_and_a_lower_budget_changes_it(t
     (["--task-arg", "text=poems"], "unknown ppl text 'poems'"),
     (["--task-arg", "window=3"], "unknown ppl task-arg window"),
     (["--length", "400", "--chunk-size", "512"], "--length 400 must be more than --chunk-size 512"),
-    (["--length", "9000"], "need more than the 8192 positions"),
+    (["--length", "9000"], "smollm2-135m has 8192: lower --length"),
 ])
 def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys, tmp_path, args, message):
     out = tmp_path / "runs"

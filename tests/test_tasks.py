@@ -49,6 +49,35 @@ def test_predictions_are_cleaned_as_ruler_does():
     assert string_match_all("first\tsecond", ["first\nsecond"]) == 1.0
 
 
+def ruler_postprocess_pred(predict_str):
+    """RULER scripts/eval/evaluate.py's postprocess_pred, written out: strip, control characters to "\\n", strip."""
+    predict_str = predict_str.strip()
+    return re.sub(r"[\x00-\x1f]", "\n", predict_str).strip()
+
+
+def ruler_per_sample(pred, ref):
+    """The per-sample terms of RULER's string_match_all and string_match_part (synthetic/constants.py),
+    whose file score is round(100 * mean, 2) of them."""
+    found = [1.0 if r.lower() in pred.lower() else 0.0 for r in ref]
+    return sum(found) / len(ref), max(found)
+
+
+def test_string_match_metrics_equal_rulers_definitions_on_random_cases():
+    pieces = ["1234567", "7654321", "ab", "AB", "İ", "i̇", "x", " ", "\n", "\t", "\x00", "\x1f", "\r", "\x7f", "."]
+    rng = random.Random("ruler-metrics")
+
+    def text(most):
+        return "".join(rng.choice(pieces) for _ in range(rng.randint(0, most)))
+
+    for _ in range(3000):
+        prediction = text(12)
+        references = [text(3) for _ in range(rng.randint(1, 4))]
+        expected_all, expected_part = ruler_per_sample(ruler_postprocess_pred(prediction), references)
+        assert postprocess(prediction) == ruler_postprocess_pred(prediction), prediction
+        assert string_match_all(prediction, references) == expected_all, (prediction, references)
+        assert string_match_part(prediction, references) == expected_part, (prediction, references)
+
+
 def test_metrics_refuse_an_empty_reference_list():
     for metric in METRICS.values():
         with pytest.raises(ValueError):
