@@ -14,7 +14,8 @@ class KeyNorm(Policy):
     paper = "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return -inp.keys.float().norm(dim=-1)
+        # float64: keys of repeated tokens can differ by rounding alone; ties must go to the earlier position
+        return -inp.keys.double().norm(dim=-1)
 
 
 register_presets(KeyNorm, "knorm")

@@ -1,0 +1,350 @@
+"""evalkit's generation loop held to the naive oracle (tests/oracle.py), after every step.
+
+For every registered policy x every granularity it accepts x budgets 0.1 / 0.3 / 0.6, a batch of
+mixed-length prompts goes through `evalkit.generate.generate` on a float64 tiny GQA model; each
+sequence then goes alone through the oracle. The kept positions of every (layer, KV head) must be
+equal after every prefill chunk, after prefill and after every decode step, and so must the tokens.
+
+Decode eviction on/off, query-aware/agnostic, full/chunked prefill, llama/qwen2 and the paged/dense
+layouts are assigned by a fixed pairwise covering table (COVERING), and hyper-parameter variants
+(VARIANTS) rotate, so the default run stays short; `EVALKIT_ORACLE_FULL=1` runs every combination.
+Cases whose policy is identical to an earlier one (e.g. `h2o_page` at granularity `head` is
+`h2o_head`) are not repeated; granularities a policy refuses are listed as skips. A policy the
+oracle has no rule for fails until tests/oracle.py learns it.
+
+Mutation tests show the comparison has teeth: H2O without decode accumulation, and a SnapKV
+window one query too wide, each make evalkit disagree with the oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+
+import pytest
+import torch
+
+from conftest import TINY, tiny_config
+from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_budgets, run_oracle
+
+import evalkit.attention
+import evalkit.policies.h2o
+from evalkit.errors import EvalkitError
+from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.policies import GRANULARITIES, POLICIES, make_policy
+
+BUDGETS = (0.1, 0.3, 0.6)
+BLOCK = 4
+CHUNK = 16
+NEW_TOKENS = 5
+LAYERS = 3  # > 2 so Quest restricts reads (layers 0 and 1 read everything)
+SEED = 3
+FULL = os.environ.get("EVALKIT_ORACLE_FULL") == "1"
+
+# Hyper-parameter variants, each given to evalkit (as --policy-arg strings) and to the oracle alike.
+# At the published SnapKV window (32) most of these short prompts is window, so the SnapKV family
+# also runs with small windows where pooling and the prefix really decide.
+VARIANTS = {
+    "h2o": [{}, {"normalize": "true"}],
+    "snapkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
+    "pyramidkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
+    "adakv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
+}
+ORACLE_ARG = {"window": ("window", int), "kernel": ("kernel", int), "pooling": ("pooling", str),
+              "normalize": ("normalize", lambda text: text == "true")}
+
+# Environments: a fixed covering table, one row per (granularity, budget) cell of a family (found by a
+# seeded search, checked below). Within a family, any two of the five factors show all four value
+# pairs (already among the head and token cells alone), and every granularity and every budget
+# meets both values of every factor. EVALKIT_ORACLE_FULL=1 runs all 32 rows for every cell.
+FACTORS = {
+    "arch": ("llama", "qwen2"),
+    "layout": ("paged", "dense"),
+    "prefill": ("full", "chunked"),
+    "query_aware": (True, False),
+    "decode_eviction": (True, False),
+}
+COVERING = {  # granularity -> one row per budget in BUDGETS
+    "head": ((1, 1, 1, 1, 0), (1, 1, 0, 0, 1), (0, 0, 1, 0, 0)),
+    "token": ((0, 0, 0, 1, 1), (1, 0, 0, 1, 0), (0, 1, 1, 0, 1)),
+    "page": ((0, 0, 0, 0, 0), (0, 0, 1, 0, 1), (1, 1, 0, 1, 1)),
+    "head_page": ((1, 0, 1, 0, 1), (0, 1, 1, 1, 1), (0, 1, 0, 1, 0)),
+}
+
+
+def _covers_pairs(rows) -> bool:
+    return all({(r[i], r[j]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+               for i, j in itertools.combinations(range(len(FACTORS)), 2))
+
+
+assert set(COVERING) == set(GRANULARITIES), "a new granularity needs its rows in COVERING"
+assert _covers_pairs([r for g in GRANULARITIES for r in COVERING[g]])
+assert _covers_pairs(COVERING["head"] + COVERING["token"])
+assert all({r[c] for r in COVERING[g]} == {0, 1} for g in GRANULARITIES for c in range(len(FACTORS)))
+assert all({COVERING[g][b][c] for g in GRANULARITIES} == {0, 1}
+           for b in range(len(BUDGETS)) for c in range(len(FACTORS)))
+
+
+def family_of(name: str) -> str | None:
+    for family in sorted(FAMILIES, key=len, reverse=True):
+        if name == family or name.startswith(family + "_"):
+            return family
+    return None
+
+
+def _identity(policy) -> tuple:
+    fields = tuple((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy) if f.compare)
+    return (type(policy).__name__, fields)
+
+
+def _cases():
+    """pytest params (name, granularity, args, budget, environment) over the whole registry."""
+    params, seen = [], set()
+    for name in POLICIES.names():
+        family = family_of(name)
+        if family is None:  # a new policy the oracle does not know yet: fails until tests/oracle.py learns it
+            params.append(pytest.param(name, "head", {}, 0.3, {}, id=f"{name}-unknown-to-oracle"))
+            continue
+        for g_index, granularity in enumerate(GRANULARITIES):
+            try:
+                identity = _identity(make_policy(name, granularity))
+            except EvalkitError as refused:
+                params.append(pytest.param(name, granularity, {}, None, {}, id=f"{name}-{granularity}-refused",
+                                           marks=pytest.mark.skip(reason=f"refused: {refused}")))
+                continue
+            if identity in seen:
+                continue  # the same policy as an earlier case (e.g. h2o_page at granularity head = h2o_head)
+            seen.add(identity)
+            variants = VARIANTS.get(family, [{}])
+            for b_index, budget in enumerate(BUDGETS):
+                # Variants rotate over granularities and budgets (every one of each sees every variant).
+                chosen = variants if FULL else [variants[(g_index + b_index) % len(variants)]]
+                for args in chosen:
+                    label = ",".join(f"{k}={v}" for k, v in args.items())
+                    rows = (itertools.product((0, 1), repeat=len(FACTORS)) if FULL
+                            else [COVERING[granularity][b_index]])
+                    for bits in rows:
+                        env = {factor: values[bit] for (factor, values), bit in zip(FACTORS.items(), bits)}
+                        tag = "-".join(f"{k}={int(v)}" if isinstance(v, bool) else str(v) for k, v in env.items())
+                        params.append(pytest.param(
+                            name, granularity, args, budget, env,
+                            id=f"{name}-{granularity}{'-' + label if label else ''}-{budget}-{tag}"))
+    return params
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 matmuls: one thread is ~10x faster than two on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def model(arch: str):
+    from transformers import AutoModelForCausalLM
+
+    config = type(tiny_config(arch))(**{**tiny_config(arch).to_dict(), "num_hidden_layers": LAYERS,
+                                        "layer_types": None})
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(config).double().eval()
+    m.generation_config.eos_token_id = None  # EOS unreachable: every sequence runs all its steps
+    return m
+
+
+def batch(seed: int = 1):
+    """Three requests of mixed lengths: (context, question).
+
+    No token id repeats within a prompt: two copies of one token have layer-0 keys that differ only
+    by RoPE, which transformers computes in float32, so their norms differ by ~1e-8 relative, below
+    the float32 precision at which scores are compared; their order would be rounding noise.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((52, 4), (66, 6), (41, 3))
+    prompts = []
+    for c, q in shapes:
+        ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + q] + 3).tolist()
+        prompts.append((ids[:c], ids[c:]))
+    return prompts
+
+
+def _snapshot(cache):
+    """[b][layer][head] -> tuple of kept positions."""
+    per_layer = [layer.read().pos.cpu() for layer in cache.layers]
+    B, H = per_layer[0].shape[:2]
+    return [tuple(tuple(tuple(sorted(p for p in pos[b, h].tolist() if p >= 0)) for h in range(H))
+                  for pos in per_layer) for b in range(B)]
+
+
+def run_evalkit(name, granularity, args, budget, env, new_tokens, requests):
+    policy = make_policy(name, granularity, args)
+    settings = GenerationSettings(policy, budget=budget, layout=env["layout"], block_size=BLOCK,
+                                  prefill=env["prefill"], chunk_size=CHUNK, query_aware=env["query_aware"],
+                                  decode_eviction=env["decode_eviction"], seed=SEED)
+    events = []
+    out = generate(model(env["arch"]), None, [Request(c, q, new_tokens) for c, q in requests], settings,
+                   observe=lambda event, cache: events.append((event, _snapshot(cache))))
+    chunks, prefill, steps = [], None, []
+    for event, snap in events:
+        if prefill is None:
+            if event == "compressed":
+                chunks.append(snap)
+            elif event == "prefill":
+                prefill = snap
+        elif event == "forward":  # a decode step begins: its state is this, or the compression after it
+            steps.append(snap)
+        elif event == "compressed":
+            steps[-1] = snap
+    return [g.token_ids for g in out], chunks, prefill, steps, {e for e, _ in events}
+
+
+def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None) -> str | None:
+    """None when evalkit and the oracle agree on every step; else where they first differ."""
+    requests = requests or batch()
+    family = family_of(name)
+    overrides = {ORACLE_ARG[k][0]: ORACLE_ARG[k][1](v) for k, v in args.items()}
+    spec = published_spec(family, granularity, **overrides)
+    settings = Settings(budget, BLOCK, env["prefill"], CHUNK, env["query_aware"], env["decode_eviction"], SEED)
+    tokens, chunks, prefill, steps, events = run_evalkit(name, granularity, args, budget, env, new_tokens, requests)
+    case = (f"policy={name} granularity={granularity} args={args or 'published'} budget={budget} "
+            f"[{env['arch']}, {env['layout']}, prefill={env['prefill']}, "
+            f"{'query-aware' if env['query_aware'] else 'query-agnostic'}, "
+            f"decode eviction {'on' if env['decode_eviction'] else 'off'}]")
+    m = model(env["arch"])
+    for b, (context, question) in enumerate(requests):
+        trace = run_oracle(m, spec, settings, context, question, new_tokens)
+        where = (f"{case}: sequence {b} (context {len(context)}, question {len(question)} tokens; "
+                 f"k={trace.budget}, k_l={trace.layer_budgets or 'not evicting'})")
+
+        def compare(phase, ours, theirs):
+            if ours is None:
+                return f"{where}, {phase}: evalkit emitted no state (events seen: {sorted(events)})"
+            for l, (ours_l, theirs_l) in enumerate(zip(ours, theirs)):
+                for h, (o, t) in enumerate(zip(ours_l, theirs_l)):
+                    if o != t:
+                        extra = sorted(set(o) - set(t))
+                        missing = sorted(set(t) - set(o))
+                        scores = trace.scores.get(phase, {}).get(l)  # the oracle's, when it compressed here
+                        hint = "" if scores is None else "; oracle scores " + ", ".join(
+                            f"{p}: {scores[h][p]:.7g}" if p in scores[h] else f"{p}: -" for p in extra + missing)
+                        return (f"{where}, {phase}, layer {l}, KV head {h}: evalkit kept {list(o)} "
+                                f"({len(o)}), oracle kept {list(t)} ({len(t)}); only evalkit {extra}, "
+                                f"only oracle {missing}{hint}")
+            return None
+
+        own = [c[b] for c in chunks]
+        if len(own) < len(trace.chunks):
+            return (f"{where}: evalkit reported {len(own)} compressions during prefill, the oracle "
+                    f"{len(trace.chunks)} chunks (is the 'compressed' event emitted? events: {sorted(events)})")
+        for i, theirs in enumerate(trace.chunks):
+            if (msg := compare(f"prefill chunk {i}", own[i], theirs)) is not None:
+                return msg
+        for i in range(len(trace.chunks), len(own)):  # the batch's later chunks feed this sequence nothing
+            if (msg := compare(f"prefill chunk {i} (empty for this sequence)", own[i], trace.chunks[-1])):
+                return msg
+        if (msg := compare("after prefill", prefill[b] if prefill else None, trace.prefill)) is not None:
+            return msg
+        for i, theirs in enumerate(trace.steps):
+            if tokens[b][i] != trace.tokens[i]:
+                return (f"{where}: generated token {i} differs: evalkit {tokens[b][:i + 1]}, "
+                        f"oracle {trace.tokens[:i + 1]}")
+            ours = steps[i][b] if i < len(steps) else None
+            if (msg := compare(f"decode step {i}", ours, theirs)) is not None:
+                return msg
+        if tokens[b] != trace.tokens:
+            return f"{where}: tokens differ: evalkit {tokens[b]}, oracle {trace.tokens}"
+    return None
+
+
+@pytest.mark.parametrize("name, granularity, args, budget, env", _cases())
+def test_evalkit_keeps_what_the_oracle_keeps(name, granularity, args, budget, env):
+    if family_of(name) is None:
+        pytest.fail(f"policy {name!r} is registered but tests/oracle.py has no rule for it")
+    message = disagreement(name, granularity, args, budget, env)
+    assert message is None, message
+
+
+# --- the suite catches real mistakes --------------------------------------------------------------
+
+MUTATION_ENVS = [dict(arch="llama", layout="paged", prefill="full", query_aware=True, decode_eviction=True),
+                 dict(arch="qwen2", layout="dense", prefill="chunked", query_aware=False, decode_eviction=True)]
+
+
+def _caught(monkeypatch, cases) -> str:
+    """The first case where the mutated evalkit disagrees; the same case must agree once it is undone."""
+    for case in cases:
+        message = disagreement(*case, new_tokens=8)
+        if message is not None:
+            monkeypatch.undo()
+            assert disagreement(*case, new_tokens=8) is None, "this case disagrees even without the mutation"
+            return message
+    pytest.fail("the mutated evalkit still agrees with the oracle on every case")
+
+
+def test_mutation_h2o_without_decode_accumulation_is_caught(monkeypatch):
+    """H2O that stops adding decode queries' attention must disagree with the oracle, while decoding."""
+    monkeypatch.setattr(evalkit.policies.h2o.H2O, "collect_decode", None)
+    cases = [("h2o_head", g, {}, budget, env) for env in MUTATION_ENVS for g in ("head", "token")
+             for budget in (0.3, 0.6)]
+    found = _caught(monkeypatch, cases)
+    assert "decode step" in found, found  # prefill is untouched by this mutation
+
+
+def test_mutation_snapkv_window_off_by_one_is_caught(monkeypatch):
+    """A SnapKV window statistic over w + 1 queries (evalkit's side only) must disagree with the oracle."""
+    window_queries = evalkit.attention.window_queries
+    monkeypatch.setattr(evalkit.attention, "window_queries",
+                        lambda q_pos, q_valid, window: window_queries(q_pos, q_valid, window + 1))
+    cases = [("snapkv_head", "head", args, budget, env) for env in MUTATION_ENVS
+             for args in ({}, {"window": "8", "kernel": "5", "pooling": "avg"}) for budget in (0.3, 0.6)]
+    _caught(monkeypatch, cases)
+
+
+def test_quest_reads_change_tokens_so_its_comparison_has_power():
+    """Quest evicts nothing: only its tokens are compared. They must depend on what it reads."""
+    settings = Settings(0.3, BLOCK, "full", CHUNK, True, True, SEED)
+    m = model("llama")
+    for granularity in ("head", "token"):
+        differs = [run_oracle(m, published_spec("quest", granularity), settings, c, q, NEW_TOKENS).tokens
+                   != run_oracle(m, published_spec("full"), settings, c, q, NEW_TOKENS).tokens for c, q in batch()]
+        assert any(differs), f"Quest ({granularity}) reads change no token of the batch: the test cannot see them"
+
+
+# --- rules cheap enough to check exhaustively -----------------------------------------------------
+
+
+def test_pyramid_layer_budgets_match_the_oracle_schedule():
+    policy = make_policy("pyramidkv_head", None, {"window": "8"})
+    mismatches = []
+    for layers in (2, 3, 4, 5, 7, 30):
+        for n in (20, 41, 64, 100, 257):
+            for k in range(1, n):
+                ours = policy.layer_budgets(torch.tensor([k]), torch.tensor([n]), layers)[:, 0].tolist()
+                theirs = pyramid_budgets(k, n, layers, 8, 20.0)
+                if ours != theirs:
+                    mismatches.append(f"L={layers} n={n} k={k}: evalkit {ours}, oracle {theirs}")
+    assert not mismatches, "\n".join(mismatches[:20])
+
+
+@pytest.mark.parametrize("name, granularity, args", [("h2o_head", "head", {}),
+                                                     ("snapkv_head", "token", {"window": "8"})])
+def test_a_sequence_within_its_budget_is_never_evicted_in_an_evicting_batch(name, granularity, args):
+    """Budget 45 tokens: the 44-token prompt keeps everything while the other two are evicted."""
+    for query_aware in (True, False):
+        lengths = [len(c) + len(q) if query_aware else len(c) for c, q in batch()]
+        assert [budget_tokens(45, n) < n for n in lengths] == [True, True, False]
+        env = dict(arch="qwen2", layout="paged", prefill="chunked", query_aware=query_aware, decode_eviction=True)
+        message = disagreement(name, granularity, args, 45, env)
+        assert message is None, message
+
+
+@pytest.mark.parametrize("name, granularity", [("h2o_page", "page"), ("knorm_head_page", "head_page")])
+def test_a_share_below_one_page_keeps_one_page(name, granularity):
+    """At a page granularity a sample whose budget is below one page keeps one page (3 tokens < 4)."""
+    env = dict(arch="llama", layout="paged", prefill="chunked", query_aware=False, decode_eviction=True)
+    assert budget_tokens(3, 40) < BLOCK
+    message = disagreement(name, granularity, {}, 3, env)
+    assert message is None, message
