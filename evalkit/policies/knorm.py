@@ -14,7 +14,7 @@ class KeyNorm(Policy):
     paper = "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        # float64: keys of repeated tokens can differ by rounding alone; ties must go to the earlier position
+        # float64, not float32: a cast to float32 would order near-equal norms by rounding noise
         return -inp.keys.double().norm(dim=-1)
 
 
