@@ -28,6 +28,7 @@ def register(app: typer.Typer) -> None:
 def bench(
     model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
     policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated policies; the full cache is always measured."),
+    policy_arg: list[str] = typer.Option([], help="Policy hyper-parameter KEY=VALUE for every policy (repeatable)."),
     budgets: str = typer.Option("0.2", help="Comma-separated budgets: fractions in (0, 1] or token counts > 1."),
     lengths: str = typer.Option(DEFAULT_LENGTHS,
                                 help="Comma-separated prompt + new tokens, e.g. 1k,2k,4k,8k (k = 1024)."),
@@ -50,12 +51,24 @@ def bench(
     fresh: bool = typer.Option(False, "--fresh", help="Measure every cell again instead of reusing bench.json's."),
 ):
     """Time and memory of each policy × budget × length against the full cache and HF generate, same run."""
+    import dataclasses
+
     from evalkit.benchmarks import BenchSettings
+    from evalkit.config import parse_policy_args
+    from evalkit.errors import EvalkitError
+    from evalkit.results import check_writable_folder
 
     settings = BenchSettings(model=model, new_tokens=new_tokens, batch=batch, repeats=repeats,
                              block_size=block_size, dtype=dtype, device=device, seed=seed, threads=threads,
                              decode_eviction=decode_eviction)
-    plan = _validate(settings, policies, budgets, lengths, layouts)
+    policy_args = parse_policy_args(policy_arg)
+    plan = _validate(settings, policies, budgets, lengths, layouts, policy_args)
+    if policy_args:
+        # Until evalkit.benchmarks measures with them: refused, never silently ignored.
+        if "policy_args" not in {f.name for f in dataclasses.fields(BenchSettings)}:
+            raise EvalkitError("bench does not take --policy-arg yet")
+        settings = dataclasses.replace(settings, policy_args=policy_args)
+    check_writable_folder(out_dir, "--out")
     _run(settings, plan, components, out_dir, fresh)
 
 
@@ -80,14 +93,17 @@ def _items(text: str, what: str) -> list[str]:
     return list(dict.fromkeys(items))  # duplicates dropped, order kept
 
 
-def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str) -> dict:
+def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str,
+              policy_args: dict[str, str] | None = None) -> dict:
     """Everything checked before any measurement: one line and exit 2 on bad input."""
     from evalkit.cache import LAYOUTS
-    from evalkit.config import DTYPES, parse_budget
+    from evalkit.config import DTYPES, SEED_LIMIT, parse_budget
     from evalkit.errors import EvalkitError
-    from evalkit.policies import POLICIES
+    from evalkit.policies import POLICIES, make_policy
 
     names = list(dict.fromkeys(POLICIES.canonical(p) for p in _items(policies, "policies")))
+    for name in names:
+        make_policy(name, None, policy_args)
     budget_values = list(dict.fromkeys(parse_budget(b) for b in _items(budgets, "budgets")))
     layout_names = _items(layouts, "layouts")
     for layout in layout_names:
@@ -96,6 +112,8 @@ def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str)
     for name in ("batch", "repeats", "block_size"):
         if getattr(settings, name) < 1:
             raise EvalkitError(f"{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
+    if not 0 <= settings.seed < SEED_LIMIT:
+        raise EvalkitError(f"seed must be in [0, 2**32), got {settings.seed}")
     if settings.threads < 0:
         raise EvalkitError(f"threads must be >= 0 (0: one per core), got {settings.threads}")
     if settings.new_tokens < 2:
@@ -118,25 +136,11 @@ def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str)
 
 def _model_facts(settings):
     """(config, device, dtype) without loading weights, so a bad model or device fails before any work."""
-    import torch
-    from transformers import AutoConfig
+    from evalkit.models import check_device, model_config, resolve_device, resolve_dtype
 
-    from evalkit.errors import EvalkitError
-    from evalkit.models import model_source, resolve_device, resolve_dtype
-
-    try:
-        target = resolve_device(settings.device)
-    except RuntimeError as error:
-        raise EvalkitError(f"bad device {settings.device!r}: {error}") from None
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise EvalkitError(f"device {settings.device!r} asked for, but CUDA is not available")
-    source = model_source(settings.model)
-    try:
-        config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise EvalkitError(f"cannot load model {settings.model!r}: {reason}") from None
-    return config, target, resolve_dtype(settings.dtype, target)
+    check_device(settings.device)
+    target = resolve_device(settings.device)
+    return model_config(settings.model), target, resolve_dtype(settings.dtype, target)
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -243,16 +247,15 @@ def _measure_components(isolated, points: list[tuple], shape, describe, advance)
 
 def _previous(json_path, settings: dict, fresh: bool) -> dict:
     """What an earlier bench in this folder measured, if it used the same settings."""
-    import json
-
     from evalkit.errors import EvalkitError
+    from evalkit.results import read_json
 
     if fresh or not json_path.exists():
         return {}
     try:
-        previous = json.loads(json_path.read_text())
-    except json.JSONDecodeError:
-        raise EvalkitError(f"{json_path} is not valid JSON: pass --fresh to replace it") from None
+        previous = read_json(json_path)
+    except EvalkitError as error:
+        raise EvalkitError(f"{error}: pass --fresh to replace it") from None
     if previous.get("settings") != settings:
         raise EvalkitError(f"{json_path} was measured with other settings: pass --fresh to replace it, "
                            "or choose another --out")

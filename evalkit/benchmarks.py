@@ -35,7 +35,7 @@ import resource
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,6 +64,7 @@ class BenchSettings:
     seed: int
     threads: int  # torch threads in each measurement; 0: torch's default (one per core)
     decode_eviction: bool = True  # keep the cache at budget while decoding (one eviction per token), as `run` does
+    policy_args: dict = field(default_factory=dict)  # `--policy-arg` hyper-parameters for every policy
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,8 @@ def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: C
             storage["bytes"] = sum(layer.num_real_slots * layer.token_bytes for layer in cache.layers)
 
     requests = [Request(p.context_ids, p.question_ids, settings.new_tokens) for p in prompts]
-    gen_settings = GenerationSettings(make_policy(cell.policy, cell.granularity), budget=cell.budget, layout=cell.layout,
+    policy = make_policy(cell.policy, cell.granularity, settings.policy_args if cell.policy != FULL else None)
+    gen_settings = GenerationSettings(policy, budget=cell.budget, layout=cell.layout,
                                       block_size=settings.block_size, seed=settings.seed,
                                       decode_eviction=settings.decode_eviction)
     start = clock.mark()

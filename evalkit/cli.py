@@ -40,7 +40,9 @@ def run(
     model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
     layout: str = typer.Option("paged", help="KV storage: paged (per-head block tables) or dense."),
     block_size: int = typer.Option(16, help="Tokens per page (also the page of --granularity page)."),
-    granularity: Optional[str] = typer.Option(None, help="Override the policy's granularity: head, token or page."),
+    granularity: Optional[str] = typer.Option(None, help="Override the policy's granularity: head, head_page, token "
+                                                         "or page."),
+    policy_arg: list[str] = typer.Option([], help="Policy hyper-parameter KEY=VALUE (repeatable), e.g. window=64."),
     prefill: str = typer.Option("full", help="full: compress once after the prompt; chunked: after every chunk."),
     chunk_size: int = typer.Option(512, help="Tokens per chunk with --prefill chunked."),
     query_aware: bool = typer.Option(True, "--query-aware/--query-agnostic",
@@ -59,7 +61,7 @@ def run(
                                              "triton (forced; on a CPU needs TRITON_INTERPRET=1), torch."),
 ):
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
-    from evalkit.config import RunConfig, parse_task_args
+    from evalkit.config import RunConfig, parse_policy_args, parse_task_args
     from evalkit.runner import run as run_eval
     from evalkit.tasks.custom import is_data_task
 
@@ -68,7 +70,8 @@ def run(
                            "[--offset, --offset + --limit); use --limit N")
     config = RunConfig(policy=policy, budget=budget, task=task, task_args=parse_task_args(task_arg), length=length,
                        **({} if samples is None else {"samples": samples}), model=model,
-                       layout=layout, block_size=block_size, granularity=granularity, prefill=prefill,
+                       layout=layout, block_size=block_size, granularity=granularity,
+                       policy_args=parse_policy_args(policy_arg), prefill=prefill,
                        chunk_size=chunk_size, query_aware=query_aware, decode_eviction=decode_eviction,
                        temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
                        dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,

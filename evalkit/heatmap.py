@@ -12,7 +12,6 @@ matplotlib's object API (no pyplot): nothing global changes.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from evalkit.errors import EvalkitError
+from evalkit.results import RunDir, check_writable_file, read_json
 
 _COLOURS = "RdYlGn"
 _ANNOTATE_UP_TO = 12  # cells per side beyond which numbers would not fit in the squares
@@ -39,10 +39,17 @@ def score_grid(records: list[dict], source: str = "run") -> ScoreGrid:
     """Mean score per (depth, length) cell of a niah run's prediction records."""
     cells: dict[tuple[float, int], list[float]] = {}
     for record in records:
-        meta = record.get("meta", {})
-        if "length" not in meta or "depth" not in meta:
+        meta = record.get("meta")
+        if not isinstance(meta, dict) or "length" not in meta or "depth" not in meta:
             raise EvalkitError(f"{source} is not a niah grid run: its predictions have no length and depth")
-        cells.setdefault((float(meta["depth"]), int(meta["length"])), []).append(float(record["score"]))
+        try:
+            cell, score = (float(meta["depth"]), int(meta["length"])), float(record["score"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            raise EvalkitError(f"{source}: prediction {record.get('id')!r} has no numeric score, length and depth") \
+                from None
+        if not (math.isfinite(cell[0]) and math.isfinite(score)):
+            raise EvalkitError(f"{source}: prediction {record.get('id')!r} has a score or depth that is not finite")
+        cells.setdefault(cell, []).append(score)
     if not cells:
         raise EvalkitError(f"{source} has no predictions")
     depths = tuple(sorted({depth for depth, _ in cells}))
@@ -67,6 +74,7 @@ def write_heatmap(records: list[dict], path: str | Path, title: str) -> Path:
 
 def write_side_by_side(run_dirs: list[str | Path], path: str | Path) -> Path:
     """One PNG with a heatmap per run folder (one per policy and budget), on a shared colour scale."""
+    check_writable_file(path, "-o")
     return _save(side_by_side_figure(run_dirs), path)
 
 
@@ -75,7 +83,7 @@ def side_by_side_figure(run_dirs: list[str | Path]):
     if not run_dirs:
         raise EvalkitError("no run folders given")
     runs = [load_run(run_dir) for run_dir in run_dirs]
-    grids = [score_grid(records, title) for records, title in runs]
+    grids = [score_grid(records, str(run_dir)) for run_dir, (records, _) in zip(run_dirs, runs)]
     columns = min(len(runs), _PANELS_PER_ROW)
     rows = math.ceil(len(runs) / columns)
     widest = max(grids, key=lambda g: len(g.lengths))
@@ -88,15 +96,16 @@ def side_by_side_figure(run_dirs: list[str | Path]):
 
 
 def load_run(run_dir: str | Path) -> tuple[list[dict], str]:
-    """(prediction records, panel title "policy @ budget") of a run folder."""
+    """(prediction records, panel title "policy @ budget") of a run folder; a torn last line (a run being
+    written, or killed) is left out, any other malformed file refused naming it."""
     folder = Path(run_dir)
-    config_path, predictions_path = folder / "config.json", folder / "predictions.jsonl"
-    if not config_path.exists() or not predictions_path.exists():
+    store = RunDir(folder.parent, folder.name)
+    if not store.config_path.is_file() or not store.predictions_path.is_file():
         raise EvalkitError(f"{folder} is not a run folder (no config.json and predictions.jsonl)")
-    config = json.loads(config_path.read_text()).get("config", {})
-    lines = predictions_path.read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    return records, run_title(config)
+    config = read_json(store.config_path).get("config")
+    if not isinstance(config, dict):
+        raise EvalkitError(f"{store.config_path} has no run config: not a run folder evalkit wrote")
+    return store.predictions(), run_title(config)
 
 
 def run_title(config: dict) -> str:
@@ -141,6 +150,9 @@ def _save(figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".tmp")
-    figure.savefig(partial, format="png", dpi=100)
-    os.replace(partial, path)
+    try:
+        figure.savefig(partial, format="png", dpi=100)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path

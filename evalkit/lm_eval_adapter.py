@@ -18,6 +18,12 @@ At budget 1 all three equal lm-eval's own HF model (`--model hf`).
 Query-agnostic (`query_aware=False`): an lm-eval context is one string, so its question is taken
 to be the text after the last `question_marker` (default a newline); only what comes before is
 compressed, and the budget is a fraction of it.
+
+Policy hyper-parameters (`evalkit run --policy-arg KEY=VALUE`) go in one model arg, since lm-eval
+splits model args at commas and equals signs: `policy_args=window:64;kernel:5`.
+
+Nothing finished is lost: every model arg, `--out` and `--wandb` are checked before lm-eval indexes
+its tasks, the tasks' data is loaded before the model, and results are written before W&B is told.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -45,13 +52,13 @@ from tqdm import tqdm
 from evalkit import models
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
-from evalkit.config import DTYPES, parse_budget
+from evalkit.config import DTYPES, SEED_LIMIT, WANDB_MODES, parse_budget
 from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
 from evalkit.kernels import KERNEL_MODES
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
-from evalkit.results import RunDir, package_versions, write_json_atomic
-from evalkit.tracking import log_run, resolve_wandb_mode
+from evalkit.results import RunDir, check_writable_folder, package_versions, write_json_atomic
+from evalkit.tracking import decide_wandb_mode, log_run
 
 MODEL_NAME = "evalkit"
 RESULTS_KEY = "evalkit"  # lm-eval puts get_model_info() into results["config"]: ours lives under this key
@@ -69,6 +76,7 @@ class AdapterConfig:
     policy: str = "h2o_head"
     budget: float | int = 0.2
     granularity: str | None = None
+    policy_args: dict[str, str] = field(default_factory=dict)  # from "key:value;key:value", see the module doc
     block_size: int = 16
     layout: str = "paged"
     prefill: str = "full"
@@ -119,8 +127,10 @@ class AdapterConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise EvalkitError(f"{name} must be true or false, got {value!r}")
-        if not isinstance(self.seed, int):
-            raise EvalkitError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
+            raise EvalkitError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        self.policy_args = policy_args_from_model_arg(self.policy_args)
+        make_policy(self.policy, self.granularity, self.policy_args)
         self.question_marker = str(self.question_marker).encode().decode("unicode_escape")  # "\\n" from a CLI
         if not self.question_marker:
             raise EvalkitError("question_marker must not be empty")
@@ -129,6 +139,7 @@ class AdapterConfig:
             # lm-eval's CLI passes device=cuda:0 unless told otherwise; its hf model falls back the same way.
             log.warning("device %s requested but CUDA is not available: using the CPU", self.device)
             self.device = "cpu"
+        models.check_device(self.device)
         for name in ("pretrained", "tokenizer"):
             value = getattr(self, name)
             if isinstance(value, str) and value != DEFAULT_MODEL:
@@ -141,6 +152,20 @@ def _choice(name: str, value, allowed, optional: bool = False) -> None:
         return
     if value not in allowed:
         raise EvalkitError(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
+
+
+def policy_args_from_model_arg(value) -> dict[str, str]:
+    """`"window:64;kernel:5"` (or a mapping, from JSON model args) -> {"window": "64", "kernel": "5"}."""
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    args = {}
+    for item in filter(None, (part.strip() for part in str(value).split(";"))):
+        key, sep, text = item.partition(":")
+        if not sep or not key.strip():
+            raise EvalkitError(f"policy_args must be KEY:VALUE pairs separated by ';' (e.g. "
+                               f"policy_args=window:64;kernel:5), got {item!r}")
+        args[key.strip()] = text.strip()
+    return args
 
 
 @register_model(MODEL_NAME)
@@ -162,7 +187,7 @@ class EvalkitLM(TemplateLM):
                                                **model_args)
         if loaded:
             self.options.pretrained = getattr(pretrained.config, "_name_or_path", "") or type(pretrained).__name__
-        self.policy = make_policy(self.options.policy, self.options.granularity)
+        self.policy = make_policy(self.options.policy, self.options.granularity, self.options.policy_args)
         # Everything above refuses bad input; only now is a model loaded.
         if loaded:
             self._model = pretrained.eval()
@@ -443,8 +468,10 @@ def summarize(records: list[dict]) -> dict:
 
 # -- results in runs/ ----------------------------------------------------------------------
 
-def save_run(results: dict, out: str | Path = "runs") -> Path:
-    """Write lm-eval's results of a `--model evalkit` evaluation to `out/<run_id>/`.
+def save_run(results: dict, out: str | Path = "runs", wandb_mode: str | None = None,
+             warn: Callable[[str], None] = log.warning) -> Path:
+    """Write lm-eval's results of a `--model evalkit` evaluation to `out/<run_id>/`, then mirror them to
+    W&B (`wandb_mode`, decided beforehand; None: decided now as `--wandb auto`); W&B trouble is one `warn`.
 
     config.json: the adapter's resolved args, tasks, lm-eval settings and package versions;
     metrics.json: lm-eval's per-task numbers flattened as "<task>/<metric>,<filter>", plus the
@@ -456,7 +483,9 @@ def save_run(results: dict, out: str | Path = "runs") -> Path:
         raise EvalkitError("these lm-eval results do not come from --model evalkit: nothing to save")
     tasks = sorted(results.get("configs") or results.get("results", {}))
     lm_config = results["config"]
-    identity = {**{k: v for k, v in info["args"].items() if k != "batch_size"}, "tasks": tasks,
+    # Without hyper-parameters the id is what it was before policy_args existed.
+    left_out = ("batch_size",) + (() if info["args"].get("policy_args") else ("policy_args",))
+    identity = {**{k: v for k, v in info["args"].items() if k not in left_out}, "tasks": tasks,
                 "limit": lm_config.get("limit"), "n-shot": results.get("n-shot"),
                 "gen_kwargs": lm_config.get("gen_kwargs")}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
@@ -481,46 +510,72 @@ def save_run(results: dict, out: str | Path = "runs") -> Path:
     metrics.update(info["summary"])
 
     run_dir = RunDir(out, run_id)
-    run_dir.metrics_path.unlink(missing_ok=True)
-    run_dir.start(config)
-    tmp = run_dir.predictions_path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w") as file:  # one write and one fsync: lm-eval runs have thousands of requests
-        file.writelines(json.dumps(record, sort_keys=True, default=str) + "\n" for record in info["predictions"])
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, run_dir.predictions_path)
-    log_run(resolve_wandb_mode("auto"), run_dir.path, run_id, config, metrics, info["predictions"])
-    write_json_atomic(run_dir.metrics_path, metrics)
+    with run_dir.locked():
+        run_dir.metrics_path.unlink(missing_ok=True)
+        run_dir.start(config)
+        tmp = run_dir.predictions_path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w") as file:  # one write and one fsync: lm-eval runs have thousands of requests
+            file.writelines(json.dumps(record, sort_keys=True, default=str) + "\n" for record in info["predictions"])
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, run_dir.predictions_path)
+        write_json_atomic(run_dir.metrics_path, metrics)
+    mode = wandb_mode or decide_wandb_mode("auto", warn)
+    log_run(mode, run_dir.path, run_id, config, metrics, info["predictions"], warn)
     return run_dir.path
 
 
 @contextlib.contextmanager
-def _saving_runs(out: str | Path):
+def _saving_runs(out: str | Path, wandb_mode: str, warn: Callable[[str], None]):
     """While lm-eval's CLI runs, save every evalkit result it computes to `out` as soon as it has it,
     then drop the per-request records from it (lm-eval's own output files stay their usual size).
-    The CLI looks `simple_evaluate` up on the `lm_eval` package at call time: wrapped there, restored after."""
+    The tasks' data is loaded before the model, so a task that cannot load costs no model load.
+    The CLI looks `simple_evaluate` up on the `lm_eval` package at call time: wrapped there, restored after.
+    Yields (run folders saved, a list that is non-empty once lm-eval's own input checks have passed)."""
     import lm_eval
     from lm_eval import evaluator
 
     saved: list[Path] = []
+    started: list[bool] = []
     real = evaluator.simple_evaluate
 
     def simple_evaluate(*args, **kwargs):
+        started.append(True)
+        if kwargs.get("model") == MODEL_NAME and kwargs.get("tasks") and kwargs.get("task_manager") is not None:
+            kwargs["tasks"] = _load_tasks(kwargs["tasks"], kwargs["task_manager"])
         results = real(*args, **kwargs)
         if results is not None and RESULTS_KEY in results.get("config", {}):
-            saved.append(save_run(results, out))
+            saved.append(save_run(results, out, wandb_mode, warn))
             results["config"][RESULTS_KEY].pop("predictions", None)
         return results
 
     previous = vars(lm_eval).get("simple_evaluate")
     lm_eval.simple_evaluate = simple_evaluate
     try:
-        yield saved
+        yield saved, started
     finally:
         if previous is None:
             del lm_eval.simple_evaluate  # back to the package's lazy lookup
         else:
             lm_eval.simple_evaluate = previous
+
+
+def _load_tasks(tasks: list, task_manager) -> list:
+    """The requested tasks and groups, built (data included) now rather than after the model is loaded;
+    lm-eval takes the built objects as they are."""
+    try:
+        loaded = task_manager.load(tasks)
+    except Exception as error:  # datasets and lm-eval raise many types; all mean "this task cannot load"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise EvalkitError(f"cannot load lm-eval tasks {_names(tasks)}: {type(error).__name__}"
+                           + (f": {reason}" if reason else "")) from None
+    members = {name for children in loaded["group_map"].values() for name in children}
+    return [built for name, built in {**loaded["groups"], **loaded["tasks"]}.items() if name not in members]
+
+
+def _names(tasks: list) -> str:
+    """Task names as lm-eval's CLI resolved them: names, or the configs of YAML files."""
+    return ", ".join(str(t.get("task", t)) if isinstance(t, dict) else str(t) for t in tasks)
 
 
 @contextlib.contextmanager
@@ -533,65 +588,91 @@ def _argv(argv: list[str]):
         sys.argv = previous
 
 
-def lm_eval_argv(argv: list[str]) -> list[str]:
+def lm_eval_argv(argv: list[str]) -> tuple[list[str], bool]:
     """lm-eval's CLI arguments with `--model evalkit` implied and its model args checked now, before
-    lm-eval indexes its tasks. For the embedded default model, its tokenizer folder is added as
-    `tokenizer=`: tasks that build their own data (RULER) load the tokenizer by that name, and the
-    default's short name is not a hub id."""
+    lm-eval indexes its tasks; and whether they evaluate `--model evalkit`. For the embedded default
+    model, its tokenizer folder is added as `tokenizer=`: tasks that build their own data (RULER) load
+    the tokenizer by that name, and the default's short name is not a hub id."""
     import argparse
 
     from lm_eval._cli.utils import MergeDictAction
 
     argv = list(argv)
     if argv[:1] in (["ls"], ["validate"]):
-        return argv
+        return argv, False
     head, argv = (argv[:1], argv[1:]) if argv[:1] == ["run"] else ([], argv)
     # The options that matter here, read by lm-eval's own rules for --model_args (key=val or JSON).
-    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     peek.add_argument("--model", "-M")
     peek.add_argument("--config", "-C")
     peek.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction)
+    peek.add_argument("--tasks", "-t", nargs="+")
     peek.add_argument("--help", "-h", action="store_true")
-    known, _ = peek.parse_known_args(argv)
+    try:
+        known, _ = peek.parse_known_args(argv)
+    except argparse.ArgumentError as error:
+        raise EvalkitError(f"lm-eval: {error}") from None
     if known.model is None and known.config is None:
         argv = ["--model", MODEL_NAME, *argv]
         known.model = MODEL_NAME
     if known.model != MODEL_NAME or known.help:
-        return head + argv
+        return head + argv, False
+    if not known.tasks and known.config is None:
+        raise EvalkitError("lm-eval needs --tasks NAME[,NAME...] (`evalkit lm-eval ls tasks` lists them)")
     model_args = dict(known.model_args or {})
     AdapterConfig.from_args(**model_args)
     if model_args.get("pretrained", DEFAULT_MODEL) == DEFAULT_MODEL and "tokenizer" not in model_args:
         from evalkit.assets import default_model_dir
 
         argv += ["--model_args", f"tokenizer={default_model_dir()}"]
-    return head + argv
+    return head + argv, True
+
+
+def _take_option(argv: list[str], flag: str, default: str) -> tuple[str, list[str]]:
+    """(value of `flag VALUE` or `flag=VALUE`, argv without it): evalkit's options, unknown to lm-eval."""
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            if i + 1 == len(argv):
+                raise EvalkitError(f"{flag} needs a value")
+            return argv[i + 1], argv[:i] + argv[i + 2:]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+    return default, argv
 
 
 def main(argv: list[str]) -> int:
     """`evalkit lm-eval ARGS`: lm-eval's own CLI (`lm_eval ARGS`) with `--model evalkit` registered and
-    implied, plus `--out DIR` (default runs): where each evaluation's run folder is written."""
-    argv = list(argv)
-    out = "runs"
-    for i, arg in enumerate(argv):
-        if arg == "--out" and i + 1 < len(argv):
-            out = argv[i + 1]
-            del argv[i:i + 2]
-            break
-        if arg.startswith("--out="):
-            out = arg.split("=", 1)[1]
-            del argv[i]
-            break
+    implied, plus `--out DIR` (default runs), where each evaluation's run folder is written, and
+    `--wandb MODE` (as `evalkit run`'s, default auto)."""
     from lm_eval.__main__ import cli_evaluate
 
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    started: list[bool] = []
     try:
-        lm_argv = lm_eval_argv(argv)
-        with _argv(["lm-eval", *lm_argv]), _saving_runs(out) as saved:
+        out, argv = _take_option(list(argv), "--out", "runs")
+        wandb, argv = _take_option(argv, "--wandb", "auto")
+        _choice("wandb", wandb, WANDB_MODES)
+        lm_argv, ours = lm_eval_argv(argv)
+        mode = "off"
+        if ours:
+            check_writable_folder(out, "--out")
+            mode = decide_wandb_mode(wandb, lambda line: say(f"note: {line}"))
+        with _argv(["lm-eval", *lm_argv]), _saving_runs(out, mode, lambda line: say(f"warning: {line}")) \
+                as (saved, started):
             cli_evaluate()
     except EvalkitError as error:
-        print(f"error: {error}", file=sys.stderr)
+        say(f"error: {error}")
         return 2
     except SystemExit as done:  # argparse: --help, usage errors
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    except (ValueError, TypeError, OSError) as error:
+        if started:  # past lm-eval's input checks: a fault, not bad input
+            raise
+        # lm-eval's own checks of its arguments (no --tasks, unknown tasks, a bad --config file) raise these.
+        say(f"error: lm-eval: {str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}")
+        return 2
     for path in saved:
         print(f"evalkit results: {path}")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -10,6 +11,26 @@ from evalkit.assets import DEFAULT_MODEL, default_model_dir
 from evalkit.errors import EvalkitError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch does not know, or one this machine does not have, before any model loads."""
+    if device == "auto":
+        return
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise EvalkitError(f"unknown device {device!r}; choose from auto, cpu, cuda, cuda:N") from None
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EvalkitError(f"device {device!r} asked for, but CUDA is not available to torch {torch.__version__}")
+        if target.index is not None and target.index >= torch.cuda.device_count():
+            raise EvalkitError(f"device {device!r} asked for, but there are {torch.cuda.device_count()} CUDA devices")
+    elif target.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise EvalkitError(f"device {device!r} asked for, but MPS is not available")
+    elif target.type != "cpu":
+        raise EvalkitError(f"device {device!r} is not supported; choose from auto, cpu, cuda, cuda:N")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -36,6 +57,26 @@ def model_source(name: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=None)
+def model_config(name: str):
+    """The model's transformers config, read without its weights: facts checked before any model loads."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_source(name))
+    except (OSError, ValueError) as error:
+        raise EvalkitError(f"cannot load model {name!r}: {_first_line(error)}") from None
+
+
+def window(name: str) -> int | None:
+    """Positions the model can attend over (None when its config does not say)."""
+    return getattr(model_config(name), "max_position_embeddings", None)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def load_model(name: str, dtype: str = "auto", device: str = "auto"):
     """(model in eval mode, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -46,8 +87,7 @@ def load_model(name: str, dtype: str = "auto", device: str = "auto"):
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=resolve_dtype(dtype, target))
     except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise EvalkitError(f"cannot load model {name!r}: {reason}") from None
+        raise EvalkitError(f"cannot load model {name!r}: {_first_line(error)}") from None
     return model.to(target).eval(), tokenizer
 
 

@@ -3,7 +3,7 @@
 Runs are compared within a *setting* (task, length, samples, model, seed, temperature, dtype,
 task settings: everything that makes the prompts and the reference answers), along a
 *series* (the policy plus any way of running it that differs across the runs: granularity,
-layout, block size, prefill, query-aware, decode eviction, page pool). Each run's full-cache
+policy hyper-parameters, layout, block size, prefill, query-aware, decode eviction, page pool). Each run's full-cache
 reference is the `full` run of its setting that shares the most of those ways of running.
 
 Area under the quality-vs-budget curve (the headline number): with x the budget as a fraction
@@ -29,11 +29,13 @@ import typer
 
 # Config fields that cannot change a result, and those that say how a policy was run (a series).
 _IGNORED = ("out", "wandb", "batch_size", "device", "kernels")
-_VARIANT = ("granularity", "layout", "block_size", "prefill", "chunk_size", "query_aware", "decode_eviction",
-            "pool_pages")
+_VARIANT = ("granularity", "policy_args", "layout", "block_size", "prefill", "chunk_size", "query_aware",
+            "decode_eviction", "pool_pages")
 _CURVE = ("policy", "budget")
 _PREDICTIONS_SHOWN = 20
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
+_NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
+            "decode_tokens_per_s")  # metrics the report computes with, when present
 _GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "heatmap-*.png")
 
 
@@ -94,6 +96,7 @@ class Entry:
     series: str = ""  # label of the policy line within it
     baseline: dict | None = None  # metrics of the full-cache reference
     auc: float | None = None
+    predictions: list[dict] = field(default_factory=list)  # the first ones, as shown
 
     @property
     def is_full(self) -> bool:
@@ -109,24 +112,49 @@ class Entry:
 
 
 def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
-    """Complete runs with a score under `runs`, and why others were left out."""
+    """Complete runs with a score under `runs`, and why others were left out (naming the file at fault).
+    Everything the report shows is read here, before anything is written."""
+    from evalkit.errors import EvalkitError
+    from evalkit.results import RunDir, read_json
+
     entries, skipped = [], []
     for metrics_path in sorted(Path(runs).glob("*/metrics.json")):
         folder = metrics_path.parent
         try:
-            provenance = json.loads((folder / "config.json").read_text())
-            metrics = json.loads(metrics_path.read_text())
-        except (OSError, ValueError) as error:
-            skipped.append(f"{folder.name}: unreadable ({type(error).__name__})")
+            provenance = read_json(folder / "config.json")
+            metrics = read_json(metrics_path)
+        except EvalkitError as error:
+            skipped.append(f"{folder.name}: {error}")
             continue
-        config = provenance.get("config") if isinstance(provenance, dict) else None
-        if not isinstance(config, dict) or not isinstance(config.get("budget"), (int, float)) \
-                or "policy" not in config or not isinstance(metrics.get("score"), (int, float)):
+        config = provenance.get("config")
+        if not isinstance(config, dict) or not _is_number(config.get("budget")) or "policy" not in config \
+                or not _is_number(metrics.get("score")):
             skipped.append(f"{folder.name}: no policy, budget and score (an lm-eval run?)")
             continue
-        entries.append(Entry(str(provenance.get("run_id", folder.name)), folder, config, metrics))
+        config.setdefault("policy_args", {})  # runs from before the option: the policy's defaults
+        bad = [key for key in _NUMBERS if key in metrics and not _is_number(metrics[key])]
+        if bad:
+            skipped.append(f"{folder.name}: {metrics_path} has {', '.join(bad)} that are not finite numbers")
+            continue
+        try:
+            predictions = RunDir(folder.parent, folder.name).predictions()[:_PREDICTIONS_SHOWN]
+        except EvalkitError as error:
+            predictions = []
+            skipped.append(f"{folder.name}: predictions not shown: {error}")
+        entries.append(Entry(str(provenance.get("run_id", folder.name)), folder, config, metrics,
+                             predictions=predictions))
     _place(entries)
     return entries, skipped
+
+
+def _is_number(value) -> bool:
+    """A finite int or float (bools are not numbers here; an int too big for a float is not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def _key(config: dict, names) -> str:
@@ -239,24 +267,39 @@ class Written:
 
 
 def build_report(runs: Path, output: Path) -> Written:
-    """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv."""
+    """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv.
+    Built in a scratch folder and moved into `output` only when whole (index.html last): a failure leaves
+    `output` as it was."""
+    import shutil
+    import tempfile
+
+    from evalkit.errors import EvalkitError
+    from evalkit.results import check_writable_folder
+
+    if not Path(runs).is_dir():
+        raise EvalkitError(f"no results folder {str(runs)!r}")
+    check_writable_folder(output, "-o")
+    entries, skipped = load_entries(runs)
+    if not entries:
+        raise EvalkitError(f"no complete runs with a score under {str(runs)!r}")
+    with tempfile.TemporaryDirectory(prefix="evalkit-report-") as scratch:
+        written = _write_report(runs, entries, skipped, Path(scratch))
+        output.mkdir(parents=True, exist_ok=True)
+        for pattern in _GENERATED:  # a previous report's plots of settings no longer present
+            for stale in output.glob(pattern):
+                stale.unlink()
+        for path in sorted(Path(scratch).iterdir(), key=lambda p: p.name == "index.html"):
+            shutil.move(path, output / path.name)
+    written.index = output / written.index.name
+    return written
+
+
+def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: Path) -> Written:
     from importlib.resources import files
 
     import jinja2
     import plotly.offline
     from markupsafe import Markup
-
-    from evalkit.errors import EvalkitError
-
-    if not Path(runs).is_dir():
-        raise EvalkitError(f"no results folder {str(runs)!r}")
-    entries, skipped = load_entries(runs)
-    if not entries:
-        raise EvalkitError(f"no complete runs with a score under {str(runs)!r}")
-    output.mkdir(parents=True, exist_ok=True)
-    for pattern in _GENERATED:  # a previous report's plots of settings no longer present
-        for stale in output.glob(pattern):
-            stale.unlink()
 
     rows = leaderboard_rows(entries)
     _write_csv(rows, output / "leaderboard.csv")
@@ -301,19 +344,10 @@ _AUC_DEFINITION = (
 
 
 def _predictions(e: Entry) -> dict:
-    shown = []
-    path = e.folder / "predictions.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if len(shown) == _PREDICTIONS_SHOWN:
-                break
-            try:
-                record = json.loads(line)
-            except ValueError:  # a torn last line of a run being written
-                continue
-            shown.append({"id": _text(record.get("id")), "score": _display(record.get("score"), "pct")[0],
-                          "prediction": str(record.get("prediction", "")),
-                          "references": _text(record.get("references"))})
+    shown = [{"id": _text(record.get("id")),
+              "score": _display(record.get("score"), "pct")[0] if _is_number(record.get("score")) else "—",
+              "prediction": str(record.get("prediction", "")), "references": _text(record.get("references"))}
+             for record in e.predictions]
     return {"title": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id, "records": shown,
             "samples": e.metrics.get("samples")}
 
@@ -410,7 +444,8 @@ def _png_axes(title: str):
 
 
 def _save_png(figure, axes, path: Path) -> None:
-    axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    if axes.get_legend_handles_labels()[0]:  # a setting with only its full-cache run has nothing to name
+        axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.savefig(path, bbox_inches="tight")
 
 

@@ -3,14 +3,23 @@
 Crash safety: config and metrics are written to a temporary file and renamed;
 a prediction is one appended, fsynced line, and a torn last line from a killed
 run is cut off when the run resumes. A run is complete iff metrics.json exists.
+
+One process at a time: whoever writes a run folder holds its lock (`RunDir.locked`,
+an flock on `<run folder>/.lock`); a second process on the same folder waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Callable, Iterator
+
+from evalkit.errors import EvalkitError
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -19,31 +28,153 @@ def write_json_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: Path, kind: type = dict):
+    """The JSON document at `path`, which must be a `kind`; anything else is one error naming the file."""
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise EvalkitError(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise EvalkitError(f"{path} is not UTF-8 text") from None
+    except ValueError as error:
+        raise EvalkitError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(data, kind):
+        raise EvalkitError(f"{path} holds a JSON {type(data).__name__}, not the {kind.__name__} evalkit writes")
+    return data
+
+
+def check_writable_folder(path: str | Path, flag: str) -> None:
+    """Refuse an output folder that cannot be written (a file in its place or above it, no permission)
+    before any work. Creates nothing: a temporary file in the nearest existing folder is made and removed."""
+    _check_writable(Path(path), Path(path), flag)
+
+
+def check_writable_file(path: str | Path, flag: str) -> None:
+    """Refuse an output file that cannot be written, before any work; creates nothing."""
+    path = Path(path)
+    try:
+        is_dir = path.is_dir()
+    except (OSError, ValueError) as error:
+        raise EvalkitError(f"{flag} {str(path)!r} is not a usable path: {getattr(error, 'strerror', None) or error}") \
+            from None
+    if is_dir:
+        raise EvalkitError(f"{flag} {path} is a folder: give a file name, such as {path / 'niah_heatmaps.png'}")
+    _check_writable(path.parent, path, flag)
+
+
+def _check_writable(folder: Path, named: Path, flag: str) -> None:
+    """`folder` (where `named`, as the user gave it, goes) can take new files."""
+    try:
+        existing = folder
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        is_dir = existing.is_dir()
+    except (OSError, ValueError) as error:
+        raise EvalkitError(f"{flag} {str(named)!r} is not a usable path: {getattr(error, 'strerror', None) or error}") \
+            from None
+    if not is_dir:
+        raise EvalkitError(f"{flag} {named} is a file, not a folder" if existing == named else
+                           f"{flag} {named} is inside {existing}, which is a file")
+    try:
+        fd, name = tempfile.mkstemp(dir=existing, prefix=".evalkit-write-test-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as error:
+        raise EvalkitError(f"{flag} {named} is not writable: {error.strerror or error}") from None
+
+
 class RunDir:
     def __init__(self, root: str | Path, run_id: str):
         self.path = Path(root) / run_id
         self.config_path = self.path / "config.json"
         self.predictions_path = self.path / "predictions.jsonl"
         self.metrics_path = self.path / "metrics.json"
+        self.lock_path = self.path / ".lock"
 
     @property
     def complete(self) -> bool:
         return self.metrics_path.exists()
+
+    @contextlib.contextmanager
+    def locked(self, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+        """Holds the folder's lock; a second process on the same folder waits here (`waiting` is called
+        first). The folder is created for the lock; if nothing was recorded in it by the time the lock is
+        released (input refused after all), it is removed again, with any parent folders made for it."""
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]
+        while True:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting:
+                    waiting()
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # The holder before us unlinks the lock file when it is done: a lock on that old file guards
+            # nothing, so take the current one instead.
+            try:
+                current = os.path.samestat(os.fstat(fd), os.stat(self.lock_path))
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            os.close(fd)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.lock_path)
+            if not self.config_path.exists():
+                for folder in made:  # deepest first
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+            os.close(fd)
 
     def start(self, config: dict) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.config_path, config)
 
     def predictions(self) -> list[dict]:
-        """Recorded predictions, after cutting a torn last line left by a killed run."""
+        """Recorded predictions, the first of each id. Reads only: a torn last line left by a killed run
+        is skipped here and cut by `repair`."""
+        return _unique(self._whole_records()[0])[0]
+
+    def repair(self) -> int:
+        """Before resuming, under the lock: cuts a torn last line and drops lines that repeat an id (the
+        first is kept). Returns how many repeated lines were dropped."""
+        records, whole_bytes = self._whole_records()
+        unique, dropped = _unique(records)
+        if dropped:
+            tmp = self.predictions_path.with_suffix(".jsonl.tmp")
+            with open(tmp, "w") as file:
+                file.writelines(json.dumps(record, sort_keys=True) + "\n" for record in unique)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, self.predictions_path)
+        elif self.predictions_path.exists() and self.predictions_path.stat().st_size != whole_bytes:
+            with open(self.predictions_path, "r+b") as file:
+                file.truncate(whole_bytes)
+        return dropped
+
+    def _whole_records(self) -> tuple[list[dict], int]:
+        """(records of the complete lines, their length in bytes); a malformed complete line is an error."""
         if not self.predictions_path.exists():
-            return []
+            return [], 0
         raw = self.predictions_path.read_bytes()
         whole = raw[: raw.rfind(b"\n") + 1]
-        if len(whole) != len(raw):
-            with open(self.predictions_path, "r+b") as file:
-                file.truncate(len(whole))
-        return [json.loads(line) for line in whole.decode().splitlines() if line.strip()]
+        records = []
+        for number, line in enumerate(whole.split(b"\n")[:-1], 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except ValueError as error:  # UnicodeDecodeError is one
+                raise EvalkitError(f"{self.predictions_path} line {number} is not a JSON record "
+                                   f"({type(error).__name__})") from None
+            if not isinstance(record, dict) or "id" not in record:
+                raise EvalkitError(f"{self.predictions_path} line {number} is not a prediction record (no id)")
+            records.append(record)
+        return records, len(whole)
 
     def append(self, record: dict) -> None:
         with open(self.predictions_path, "a") as file:
@@ -55,16 +186,27 @@ class RunDir:
         write_json_atomic(self.metrics_path, metrics)
 
     def metrics(self) -> dict:
-        return json.loads(self.metrics_path.read_text())
+        return read_json(self.metrics_path)
+
+
+def _unique(records: list[dict]) -> tuple[list[dict], int]:
+    seen, unique = set(), []
+    for record in records:
+        key = json.dumps(record["id"], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            unique.append(record)
+    return unique, len(records) - len(unique)
 
 
 def complete_runs(root: str | Path) -> list[tuple[dict, dict]]:
-    """(config, metrics) of every complete run under `root`."""
+    """(config, metrics) of every complete, readable run under `root`."""
     found = []
     for metrics_path in sorted(Path(root).glob("*/metrics.json")):
-        config_path = metrics_path.with_name("config.json")
-        if config_path.exists():
-            found.append((json.loads(config_path.read_text()), json.loads(metrics_path.read_text())))
+        try:
+            found.append((read_json(metrics_path.with_name("config.json")), read_json(metrics_path)))
+        except EvalkitError:  # a damaged or foreign folder is no one's baseline
+            continue
     return found
 
 

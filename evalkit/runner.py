@@ -1,7 +1,9 @@
 """One evaluation: a task's samples through the generation loop under one policy and budget.
 
 Everything that can be refused is refused before the run folder exists; a run
-folder that exists is resumed, sample by sample. Most tasks generate answers
+folder that exists is resumed, sample by sample, by one process at a time (the
+folder's lock: a second process on it waits). Results are on disk before W&B
+is told anything, so W&B can never cost one. Most tasks generate answers
 that the task scores; `ppl` streams passages through the cache and scores their
 log-likelihood (`score_rolling`). A task with `write_artifacts` (the niah
 grid's heatmap) writes its files into the run folder when the run finishes.
@@ -25,11 +27,11 @@ from evalkit.generate import GenerationSettings, Request, generate, score_rollin
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
-from evalkit.results import RunDir, complete_runs, package_versions
+from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
-from evalkit.tracking import log_run, resolve_wandb_mode
+from evalkit.tracking import decide_wandb_mode, log_run
 
 _BASELINE_KEYS = ("task", "task_args", "length", "samples", "model", "seed", "temperature", "dtype",
                   "data_format", "metric", "offset", "data_sha256")
@@ -45,15 +47,30 @@ class RunResult:
     resumed_from: int  # samples found already done
 
 
-def run(config: RunConfig, console: Console | None = None) -> RunResult:
+def run(config: RunConfig, console: Console | None = None, wandb_mode: str | None = None) -> RunResult:
+    """`wandb_mode`: the W&B mode already decided (a sweep decides once for its cells); None: decided
+    here from `config.wandb`."""
     console = console or Console(stderr=True)
     config.validate()
     run_dir = RunDir(config.out, config.run_id())
     if run_dir.complete:
         return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
+    check_writable_folder(config.out, "--out")
+    say = one_line(console)
+    mode = wandb_mode or decide_wandb_mode(config.wandb, lambda line: say(f"note: {line}"))
+    with run_dir.locked(lambda: say(f"waiting for another evalkit process working on {run_dir.path}")):
+        if run_dir.complete:  # finished by the process we waited for
+            return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
+        return _run_locked(config, run_dir, mode, console)
 
+
+def _run_locked(config: RunConfig, run_dir: RunDir, mode: str, console: Console) -> RunResult:
+    dropped = run_dir.repair()
+    if dropped:
+        one_line(console)(f"note: {run_dir.predictions_path} held {dropped} repeated sample lines: kept the "
+                          "first of each")
     task = make_task(config)
-    policy = make_policy(config.policy, config.granularity)
+    policy = make_policy(config.policy, config.granularity, config.policy_args)
     torch.manual_seed(config.seed)
     with console.status(f"loading {config.model}"):
         model, tokenizer = load_model(config.model, config.dtype, config.device)
@@ -95,12 +112,19 @@ def run(config: RunConfig, console: Console | None = None) -> RunResult:
     if isinstance(task, WritesArtifacts):
         # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
         task.write_artifacts(records, run_dir.path, provenance["config"])
-    mode = resolve_wandb_mode(config.wandb)
-    if mode != "off":
-        with console.status("logging to W&B"):
-            log_run(mode, run_dir.path, config.run_id(), provenance, metrics, records)
     run_dir.finish(metrics)
+    if mode != "off":
+        trouble: list[str] = []
+        with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
+            log_run(mode, run_dir.path, config.run_id(), provenance, metrics, records, trouble.append)
+        for line in trouble:
+            one_line(console)(f"warning: {line}")
     return RunResult(config.run_id(), str(run_dir.path), metrics, _baseline(config), len(done))
+
+
+def one_line(console: Console) -> Callable[[str], None]:
+    """Prints a message as one line, never wrapped, never read as markup (paths may hold brackets)."""
+    return lambda text: console.print(text, highlight=False, soft_wrap=True, markup=False)
 
 
 @runtime_checkable
@@ -159,10 +183,6 @@ def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer, sett
     if config.length <= chunk:
         raise EvalkitError(f"ppl scores the tokens after the first chunk: --length {config.length} must be "
                            f"more than --chunk-size {chunk}")
-    limit = max_positions(model)
-    if limit and config.length > limit:
-        raise EvalkitError(f"ppl passages of --length {config.length} tokens need more than the {limit} "
-                           f"positions of {config.model}: lower --length")
     samples = task.samples(prompt_length(tokenizer), config.length, config.samples, config.seed)
     passages = []
     for sample in samples:

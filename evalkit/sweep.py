@@ -77,7 +77,10 @@ def sweep(
     model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
     layout: str = typer.Option("paged", help="KV storage: paged or dense."),
     block_size: int = typer.Option(16, help="Tokens per page."),
-    granularity: Optional[str] = typer.Option(None, help="Override every policy's granularity: head, token or page."),
+    granularity: Optional[str] = typer.Option(None, help="Override every policy's granularity: head, head_page, "
+                                                         "token or page."),
+    policy_arg: list[str] = typer.Option([], help="Policy hyper-parameter KEY=VALUE for every policy (repeatable; "
+                                                  "not the full-cache baseline)."),
     prefill: str = typer.Option("full", help="full or chunked."),
     chunk_size: int = typer.Option(512, help="Tokens per chunk with --prefill chunked."),
     query_aware: bool = typer.Option(True, "--query-aware/--query-agnostic",
@@ -128,12 +131,13 @@ def _resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:
 
     # A file key is a flag's name (`format`, `block-size`) or its parameter's (`data_format`, `block_size`).
     by_flag = {opt.lstrip("-").replace("-", "_"): name for name, p in params.items() for opt in p.opts}
-    extra_fields = {f.name for f in fields(RunConfig)} - set(params) - {"policy", "budget", "task", "task_args"}
+    spelled = {"task_args": "task_arg", "policy_args": "policy_arg"}  # RunConfig's names -> the flags'
+    extra_fields = {f.name for f in fields(RunConfig)} - set(params) - {"policy", "budget", "task", *spelled}
     for key, value in read_config_file(config_file).items():
         name = key.replace("-", "_")
-        name = by_flag.get(name, name)
-        if name == "task_args" and isinstance(value, dict):  # the RunConfig spelling, as a mapping
-            name, value = "task_arg", [f"{k}={v}" for k, v in value.items()]
+        name = spelled.get(name, by_flag.get(name, name))
+        if name in spelled.values() and isinstance(value, dict):  # KEY=VALUE settings as a mapping
+            value = [f"{k}={v}" for k, v in value.items()]
         if name in params:
             if ctx.get_parameter_source(name).name != "DEFAULT":  # a flag on the command line wins
                 continue
@@ -146,7 +150,7 @@ def _resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:
         elif name in extra_fields:  # RunConfig fields without a flag pass through as written
             settings[name] = value
         else:
-            known = sorted({*by_flag, *extra_fields, "task_args"})
+            known = sorted({*by_flag, *extra_fields, *spelled})
             raise EvalkitError(f"config file {config_file}: unknown key {key!r}; known: {', '.join(known)}")
     return settings
 
@@ -197,7 +201,7 @@ def _split(value, flag: str) -> list[str]:
 
 def make_plan(settings: dict) -> Plan:
     """Every cell, validated, before anything runs: bad input never leaves a half-run grid."""
-    from evalkit.config import RunConfig, parse_budget, parse_task_args
+    from evalkit.config import RunConfig, parse_budget, parse_policy_args, parse_task_args
     from evalkit.errors import EvalkitError
     from evalkit.models import model_source
     from evalkit.tasks.custom import is_data_task
@@ -214,9 +218,9 @@ def make_plan(settings: dict) -> Plan:
     engine, ray_address = settings.pop("engine"), settings.pop("ray_address")
     if engine not in ENGINES:
         raise EvalkitError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
-    task_args = parse_task_args(settings.pop("task_arg"))
+    task_args, policy_args = parse_task_args(settings.pop("task_arg")), parse_policy_args(settings.pop("policy_arg"))
     base = {k: v for k, v in settings.items() if v is not None or k not in _UNSET_MEANS_DEFAULT}
-    base["task_args"] = task_args
+    base["task_args"], base["policy_args"] = task_args, policy_args
     model_source(base["model"])  # a missing local model is refused before the first cell
     _refuse_unused(base, tasks)
 
@@ -228,8 +232,8 @@ def make_plan(settings: dict) -> Plan:
             grid = [("full", 1.0, True)] + [(p, b, False) for p in policies for b in budgets]
             for policy, budget, is_baseline in grid:
                 fields_here = {k: v for k, v in base.items() if k not in unused}
-                if is_baseline:
-                    fields_here["granularity"] = None
+                if is_baseline:  # the full cache, as it is
+                    fields_here["granularity"], fields_here["policy_args"] = None, {}
                 config = RunConfig(**fields_here, policy=policy, budget=budget, task=task, length=length).validate()
                 cells.setdefault(config.run_id(), Cell(config, is_baseline))
     grid = [c.config for c in cells.values() if not c.baseline]
@@ -289,17 +293,20 @@ def run_plan(plan: Plan, console) -> None:
     """Runs every cell that is not complete, then logs the sweep to W&B; rerunning resumes."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from evalkit.results import RunDir, write_json_atomic
-    from evalkit.tracking import resolve_wandb_mode
+    from evalkit.results import RunDir, check_writable_folder, write_json_atomic
+    from evalkit.runner import one_line
+    from evalkit.tracking import decide_wandb_mode
 
+    check_writable_folder(plan.out, "--out")
+    say = one_line(console)
+    mode = decide_wandb_mode(plan.settings["wandb"], lambda line: say(f"note: {line}"))
+    for cell in plan.cells:  # decided once here, before any work, so no cell can be refused for W&B later
+        cell.config.wandb = mode
     sweep_dir = Path(plan.out) / "_sweeps" / plan.sweep_id
     sweep_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(sweep_dir / "sweep.json", {"sweep_id": plan.sweep_id, "settings": plan.settings,
                                                  "cells": [_cell_summary(c) for c in plan.cells]})
     todo = [cell for cell in plan.cells if not RunDir(plan.out, cell.run_id).complete]
-    mode = resolve_wandb_mode(plan.settings["wandb"])
-    for cell in plan.cells:  # decided once here, so Ray workers need not look for credentials
-        cell.config.wandb = mode
     progress = Progress(TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.description}"), console=console)
     with progress, _wandb_group(plan.sweep_id if mode != "off" else None):
@@ -309,8 +316,11 @@ def run_plan(plan: Plan, console) -> None:
         else:
             _run_local(todo, console, progress, bar)
     if mode != "off":
-        with console.status("logging the sweep to W&B"):
-            _log_sweep(plan, mode, sweep_dir)
+        trouble: list[str] = []
+        with console.status("logging the sweep to W&B"):  # lines printed under a status can be lost: said after
+            _log_sweep(plan, mode, sweep_dir, trouble.append)
+        for line in trouble:
+            say(f"warning: {line}")
 
 
 @contextlib.contextmanager
@@ -333,7 +343,7 @@ def _run_local(cells: list[Cell], console, progress, bar) -> None:
 
     for cell in cells:
         progress.update(bar, description=cell.label())
-        run(cell.config, console)
+        run(cell.config, console, wandb_mode=cell.config.wandb)
         progress.advance(bar)
     progress.update(bar, description="")
 
@@ -394,7 +404,7 @@ def run_cell_in_worker(config_fields: dict, partial: dict[str, bytes]) -> dict[s
         folder.mkdir()
         for name, data in partial.items():
             (folder / name).write_bytes(data)
-        run(config, Console(stderr=True, quiet=True))
+        run(config, Console(stderr=True, quiet=True), wandb_mode=config.wandb)
         files = {}
         for root, _, names in os.walk(folder):  # symlinks (W&B's latest-run) are not files to copy
             for name in names:
@@ -405,13 +415,12 @@ def run_cell_in_worker(config_fields: dict, partial: dict[str, bytes]) -> dict[s
 
 
 def _partial_files(out: str, cell: Cell) -> dict[str, bytes]:
-    """A partial run's config and finished predictions (torn last line cut), for a worker to resume."""
+    """A partial run's config and predictions, for a worker to resume (its runner cuts a torn last line)."""
     from evalkit.results import RunDir
 
     run_dir = RunDir(out, cell.run_id)
     if run_dir.complete or not run_dir.config_path.exists():
         return {}
-    run_dir.predictions()  # cuts a torn last line
     files = {"config.json": run_dir.config_path.read_bytes()}
     if run_dir.predictions_path.exists():
         files["predictions.jsonl"] = run_dir.predictions_path.read_bytes()
@@ -428,11 +437,11 @@ def store_cell_files(out: str, run_id: str, files: dict[str, bytes]) -> None:
     metrics = files.pop("metrics.json")
     provenance = json.loads(files.pop("config.json"))
     provenance["config"]["out"] = out  # the worker ran in scratch space; record where the result lives
-    run_dir.path.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir.config_path, provenance)
-    for name, data in files.items():
-        _write_bytes_atomic(run_dir.path / name, data)
-    _write_bytes_atomic(run_dir.metrics_path, metrics)
+    with run_dir.locked():
+        write_json_atomic(run_dir.config_path, provenance)
+        for name, data in files.items():
+            _write_bytes_atomic(run_dir.path / name, data)
+        _write_bytes_atomic(run_dir.metrics_path, metrics)
 
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -477,7 +486,7 @@ def sweep_rows(plan: Plan) -> list[dict]:
     return rows
 
 
-def _log_sweep(plan: Plan, mode: str, sweep_dir: Path) -> None:
+def _log_sweep(plan: Plan, mode: str, sweep_dir: Path, warn) -> None:
     """One sweep-level W&B run: the cells table, quality- and memory-vs-budget lines per task, AUCs."""
     from evalkit.report import quality_auc
     from evalkit.tracking import LineSeries, log_sweep
@@ -504,7 +513,7 @@ def _log_sweep(plan: Plan, mode: str, sweep_dir: Path) -> None:
                 quality.lines["full cache"] = [(lowest, full), (1.0, full)]
             charts[f"quality_vs_budget/{setting}"] = quality
             charts[f"memory_vs_budget/{setting}"] = memory
-    log_sweep(mode, sweep_dir, plan.sweep_id, plan.settings, rows, charts, summary)
+    log_sweep(mode, sweep_dir, plan.sweep_id, plan.settings, rows, charts, summary, warn)
 
 
 def _print_grid(plan: Plan, console) -> None:

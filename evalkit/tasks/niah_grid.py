@@ -37,6 +37,7 @@ needle's repeat index and where the needle went (`needle_word`,
 
 from __future__ import annotations
 
+import decimal
 import functools
 import itertools
 import math
@@ -63,6 +64,9 @@ _INSTRUCTION = ("\n\nDon't give information outside the document or repeat your 
 MIN_LENGTH = 256
 """Shortest cell length: the prompt without a haystack and the answer take about 170 tokens."""
 
+MAX_LENGTH = 2**30
+"""Longest cell length accepted at all; the model's own window is checked before any haystack is built."""
+
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 _LENGTH = re.compile(r"(\d+(?:\.\d+)?)(k?)", re.IGNORECASE)
 _KNOWN_ARGS = ("depths", "lengths")
@@ -73,9 +77,12 @@ def parse_lengths(text: str) -> tuple[int, ...]:
     lengths = []
     for item in _items(text, "lengths"):
         match = _LENGTH.fullmatch(item)
-        value = float(match[1]) * (1024 if match[2] else 1) if match else None
-        if value is None or value != int(value):
+        # Decimal, not float: a 400-digit length is refused here, not overflowed.
+        value = decimal.Decimal(match[1]) * (1024 if match[2] else 1) if match else None
+        if value is None or value != value.to_integral_value():
             raise EvalkitError(f"niah lengths must be whole token counts like 2048 or 2k, got {item!r}")
+        if value > MAX_LENGTH:
+            raise EvalkitError(f"niah length {item} is beyond any model's window (at most {MAX_LENGTH} here)")
         if value < MIN_LENGTH:
             raise EvalkitError(f"niah length {int(value)} is below the minimum of {MIN_LENGTH} tokens")
         lengths.append(int(value))
@@ -157,6 +164,10 @@ class NiahGrid(Task):
         lengths = parse_lengths(args["lengths"]) if "lengths" in args else self.lengths
         depths = parse_depths(args["depths"]) if "depths" in args else self.depths
         return NiahGrid(lengths, depths)
+
+    def longest(self, length: int) -> int:
+        """Tokens of the longest cell a run with `--length length` builds: what the model's window must hold."""
+        return max(self.grid(length)[0])
 
     def grid(self, length: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """(lengths, depths) of the grid a run with `--length length` evaluates."""
