@@ -29,6 +29,8 @@ def bench(
     model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
     policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated policies; the full cache is always measured."),
     policy_arg: list[str] = typer.Option([], help="Policy hyper-parameter KEY=VALUE for every policy (repeatable)."),
+    granularities: str = typer.Option("", help="Comma-separated granularities (head, head_page, token, page) to "
+                                               "run every policy at; default: each policy's own."),
     budgets: str = typer.Option("0.2", help="Comma-separated budgets: fractions in (0, 1] or token counts > 1."),
     lengths: str = typer.Option(DEFAULT_LENGTHS,
                                 help="Comma-separated prompt + new tokens, e.g. 1k,2k,4k,8k (k = 1024)."),
@@ -55,19 +57,14 @@ def bench(
 
     from evalkit.benchmarks import BenchSettings
     from evalkit.config import parse_policy_args
-    from evalkit.errors import EvalkitError
     from evalkit.results import check_writable_folder
 
     settings = BenchSettings(model=model, new_tokens=new_tokens, batch=batch, repeats=repeats,
                              block_size=block_size, dtype=dtype, device=device, seed=seed, threads=threads,
                              decode_eviction=decode_eviction)
     policy_args = parse_policy_args(policy_arg)
-    plan = _validate(settings, policies, budgets, lengths, layouts, policy_args)
-    if policy_args:
-        # Until evalkit.benchmarks measures with them: refused, never silently ignored.
-        if "policy_args" not in {f.name for f in dataclasses.fields(BenchSettings)}:
-            raise EvalkitError("bench does not take --policy-arg yet")
-        settings = dataclasses.replace(settings, policy_args=policy_args)
+    plan = _validate(settings, policies, budgets, lengths, layouts, policy_args, granularities)
+    settings = dataclasses.replace(settings, policy_args=policy_args)
     check_writable_folder(out_dir, "--out")
     _run(settings, plan, components, out_dir, fresh)
 
@@ -94,7 +91,7 @@ def _items(text: str, what: str) -> list[str]:
 
 
 def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str,
-              policy_args: dict[str, str] | None = None) -> dict:
+              policy_args: dict[str, str] | None = None, granularities: str = "") -> dict:
     """Everything checked before any measurement: one line and exit 2 on bad input."""
     from evalkit.cache import LAYOUTS
     from evalkit.config import DTYPES, SEED_LIMIT, parse_budget
@@ -102,8 +99,10 @@ def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str,
     from evalkit.policies import POLICIES, make_policy
 
     names = list(dict.fromkeys(POLICIES.canonical(p) for p in _items(policies, "policies")))
+    granularity_names = _items(granularities, "granularities") if granularities.strip() else [None]
     for name in names:
-        make_policy(name, None, policy_args)
+        for granularity in granularity_names:
+            make_policy(name, granularity, policy_args)
     budget_values = list(dict.fromkeys(parse_budget(b) for b in _items(budgets, "budgets")))
     layout_names = _items(layouts, "layouts")
     for layout in layout_names:
@@ -131,7 +130,8 @@ def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str,
     if limit and length_values[-1] > limit:
         raise EvalkitError(f"length {length_values[-1]} exceeds the {limit} positions of {settings.model}")
     return {"policies": names, "budgets": budget_values, "layouts": layout_names, "lengths": length_values,
-            "config": config, "torch_device": target_device, "torch_dtype": target_dtype}
+            "granularities": granularity_names, "config": config, "torch_device": target_device,
+            "torch_dtype": target_dtype}
 
 
 def _model_facts(settings):
@@ -165,12 +165,13 @@ def _run(settings, plan: dict, with_components: bool, out_dir: str, fresh: bool)
     out = Console(width=max(Console().width, 170))  # wide tables stay readable when piped to a file
     folder = Path(out_dir)
     json_path = folder / "bench.json"
-    cells = benchmarks.grid(plan["policies"], plan["budgets"], plan["layouts"], plan["lengths"])
+    cells = benchmarks.grid(plan["policies"], plan["budgets"], plan["layouts"], plan["lengths"],
+                            plan["granularities"])
     evicting = [p for p in plan["policies"] if make_policy(p).evicts]
     shape = benchmarks_components.HeadShape.of(plan["config"], plan["torch_dtype"], plan["torch_device"])
     points = (benchmarks_components.plan(plan["lengths"], evicting, plan["budgets"][0], settings.block_size)
               if with_components else [])
-    grid_spec = {k: plan[k] for k in ("policies", "budgets", "layouts", "lengths")}
+    grid_spec = {k: plan[k] for k in ("policies", "budgets", "layouts", "lengths", "granularities")}
 
     previous = _previous(json_path, asdict(settings), fresh)
     measured = {row["key"]: row for row in previous.get("cells", [])}
@@ -284,8 +285,8 @@ def print_report(console, document: dict, show_layout: bool) -> None:
     settings = document["settings"]
     table = Table(title=f"evalkit bench · {settings['model']} · {document['environment']['device']} · "
                         f"{settings['new_tokens']} new tokens · median of {settings['repeats']}", title_justify="left")
-    columns = ("loop", "length", "prefill s", "compress s", "decode ms/tok", "tok/s", "decode step / full",
-               "peak MiB", "working MiB", "held MiB", "ideal MiB", "full MiB", "held/ideal")
+    columns = ("loop", "length", "prefill s", "compress s", "decode ms/tok", "evict ms/tok", "tok/s",
+               "decode step / full", "peak MiB", "working MiB", "held MiB", "ideal MiB", "full MiB", "held/ideal")
     for i, column in enumerate(columns):
         table.add_column(column, justify="left" if i == 0 else "right")
     for row in document["cells"]:
@@ -293,6 +294,7 @@ def print_report(console, document: dict, show_layout: bool) -> None:
         table.add_row(
             _series(row, show_layout), str(row["length"]), f"{row['prefill_seconds']:.3f}",
             f"{row['compression_seconds']:.3f}", f"{1e3 * row['decode_step_seconds']:.1f}",
+            f"{1e3 * row['decode_eviction_seconds']:.1f}" if "decode_eviction_seconds" in row else "-",
             f"{row['tokens_per_s']:.1f}", f"{vs['decode_step']:.2f}" if vs else "-",
             _mib(row["peak_rss_bytes"]), _mib(row["working_bytes"]), _mib(row.get("bytes_held")),
             _mib(row.get("bytes_ideal")), _mib(row.get("bytes_full")),

@@ -333,3 +333,28 @@ def test_peak_memory_sees_a_freed_block_and_resets():
 def test_cuda_without_cuda_is_refused(tiny_model_dir, tmp_path):
     code, _, err = run_cli("bench", "--model", str(tiny_model_dir), "--device", "cuda", "--out", str(tmp_path / "b"))
     assert code == 2 and "CUDA is not available" in err and len(err.strip().splitlines()) == 1
+
+
+def test_granularities_are_cells_of_their_own_with_eviction_timed(tiny_model_dir, tmp_path):
+    code, out, err = run_cli("bench", "--model", str(tiny_model_dir), "--lengths", "72", "--new-tokens", "4",
+                             "--repeats", "1", "--policies", "h2o_head", "--budgets", "32",
+                             "--granularities", "head,head_page,token,page", "--block-size", "8",
+                             "--no-components", "--out", str(tmp_path))
+    assert code == 0, err
+    rows = {r["granularity"]: r for r in json.loads((tmp_path / "bench.json").read_text())["cells"]
+            if r["loop"] == "evalkit" and r["policy"] == "h2o_head"}
+    assert set(rows) == {"head", "head_page", "token", "page"}
+    for granularity, row in rows.items():
+        assert 32 - 7 <= row["kept_tokens"] <= 32, granularity
+        assert row["decode_eviction_seconds"] > 0  # budget 32 of 68: every decode step evicts
+        assert row["decode_eviction_seconds"] < row["decode_step_seconds"]
+        # Paged storage holds whole pages: at most one partly filled page per head above the ideal.
+        assert row["held_over_ideal"] <= math.ceil(row["kept_tokens"] / 8) * 8 / row["kept_tokens"] + 1e-9
+    assert rows["head_page"]["label"] == "h2o_head[head_page] @ 32"
+
+
+def test_an_unsupported_granularity_is_refused(tiny_model_dir, tmp_path):
+    code, _, err = run_cli("bench", "--model", str(tiny_model_dir), "--policies", "quest",
+                           "--granularities", "head_page", "--out", str(tmp_path / "b"))
+    assert code == 2 and "quest cannot run at granularity head_page" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
