@@ -135,20 +135,23 @@ def heatmap(
 @app.command()
 def policies():
     """List the registered policies."""
-    from evalkit.policies import POLICIES
+    from evalkit.policies import POLICIES, policy_args
 
-    table = Table()
+    table = Table(caption="Exact rules: docs/policies.md. --policy-arg KEY=VALUE sets a hyper-parameter.")
     for column in ("name", "granularity", "saves"):
         table.add_column(column, no_wrap=True)
-    for column in ("scorer", "description", "paper"):
+    for column in ("scorer", "description", "differs from the paper", "policy-args", "paper"):
         table.add_column(column)
     for name in POLICIES.names():
         policy = POLICIES.create(name)
         aliases = POLICIES.aliases_of(name)
         label = name + "".join(f"\n({alias})" for alias in aliases)
         active = policy.evicts or policy.restricts_reads
+        short = {field: key for key, field in policy.arg_aliases.items()}
+        args = ", ".join(f"{short.get(field, field)}={getattr(policy, field)}" for field in policy_args(policy))
         table.add_row(label, policy.granularity if active else "-", policy.saves if active else "-",
-                      policy.scorer, policy.description, policy.paper)
+                      policy.scorer, policy.description, policy.differs or "-", args if active else "-",
+                      policy.paper)
     _wide().print(table)
 
 
