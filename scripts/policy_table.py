@@ -1,4 +1,4 @@
-"""Score every policy at a few budgets on one task and print a markdown table (the README's).
+"""Score every policy at a few budgets on one task and print a markdown table (docs/benchmarks.md's).
 
     python scripts/policy_table.py --length 1024 --samples 6 --budgets 0.1,0.2,0.5
 

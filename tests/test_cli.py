@@ -42,6 +42,13 @@ def evalkit(monkeypatch, capsys, *args):
     (["--task-arg", "depths"], "task-arg must be KEY=VALUE, got 'depths'"),
     (["--kernels", "cuda"], "unknown kernels 'cuda'; choose from auto, triton, torch"),
     (["--task-arg", "depths=0,50"], "task ruler:niah_single_2 takes no --task-arg settings, got depths"),
+    (["--policy", "quest", "--granularity", "head_page"], "quest cannot run at granularity head_page: Quest"),
+    (["--policy", "adakv", "--granularity", "head_page"], "adakv_snapkv cannot run at granularity head_page"),
+    (["--policy", "h2o_head_page", "--budget", "12"], "at granularity head_page the smallest budget is 16 tokens"),
+    (["--policy", "h2o_page", "--budget", "0.005"], "at granularity page the smallest budget is 16 tokens"),
+    (["--policy", "snapkv", "--policy-arg", "kernel=4"], "kernel an odd number"),
+    (["--policy", "snapkv", "--policy-arg", "windw=64"], "snapkv_head has no policy-arg 'windw'"),
+    (["--policy", "h2o", "--policy-arg", "normalize=maybe"], "policy-arg normalize must be bool"),
 ])
 def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys, tmp_path, args, message):
     out = tmp_path / "runs"

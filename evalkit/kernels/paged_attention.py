@@ -26,7 +26,7 @@ import torch
 from evalkit.kernels.runtime import INTERPRETED, dot_precision, tl, triton
 
 LOG2E = 1.4426950408889634
-# Tiles and schedules: the fastest of scripts/bench_kernels.py's sweep on an H200 (see the README).
+# Tiles and schedules: the fastest of scripts/bench_kernels.py's sweep on an H200 (docs/benchmarks.md).
 DECODE_LAUNCH = dict(block_m=16, block_n=128, num_warps=4, num_stages=4, programs_per_sm=8, skip_future=False)
 CHUNK_LAUNCH = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, programs_per_sm=1, skip_future=True)
 
