@@ -131,6 +131,18 @@ def test_wandb_failing_after_the_run_is_one_warning_and_exit_0(tiny_model_dir, t
     assert (folder / "metrics.json").exists()
 
 
+def test_the_runner_mirrors_to_wandb_only_through_the_mirror_its_caller_hands_in(tmp_path):
+    """The core imports no tool: `evalkit run` hands `evalkit.integrations.wandb` to the runner. Called
+    without it, a W&B mode that asks for logging is refused before any work, not silently dropped."""
+    from evalkit.config import RunConfig
+    from evalkit.runner import run
+
+    config = RunConfig(out=str(tmp_path), wandb="offline")
+    with pytest.raises(EvalkitError, match="needs a mirror"):
+        run(config)
+    assert not (tmp_path / config.run_id()).exists()
+
+
 def test_wandb_mode_is_decided_up_front_within_the_timeout(monkeypatch, no_wandb_credentials):
     import http.server
 
