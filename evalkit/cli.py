@@ -62,6 +62,7 @@ def run(
 ):
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
     from evalkit.config import RunConfig, parse_policy_args, parse_task_args
+    from evalkit.integrations import wandb as wandb_mirror
     from evalkit.runner import run as run_eval
     from evalkit.tasks.custom import is_data_task
 
@@ -76,7 +77,7 @@ def run(
                        temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
                        dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
                        data_format=data_format, metric=metric, limit=limit, offset=offset)
-    result = run_eval(config, err)
+    result = run_eval(config, err, mirror=wandb_mirror)
     _print_result(result)
 
 
@@ -127,7 +128,7 @@ def heatmap(
     out_path: str = typer.Option("niah_heatmaps.png", "--out", "-o", help="PNG to write."),
 ):
     """Needle-in-a-haystack heatmaps of niah runs side by side, one per policy and budget, on one colour scale."""
-    from evalkit.heatmap import write_side_by_side
+    from evalkit.report.heatmap import write_side_by_side
 
     out.print(f"wrote {write_side_by_side(run_dirs, out_path)}")
 
@@ -159,7 +160,7 @@ def policies():
              add_help_option=False)
 def lm_eval_command(ctx: typer.Context):
     """lm-evaluation-harness tasks under a sparse KV cache (takes lm-eval's own arguments)."""
-    from evalkit.lm_eval_adapter import main as lm_eval_main
+    from evalkit.integrations.lm_eval_command import main as lm_eval_main
 
     raise typer.Exit(lm_eval_main(ctx.args))
 
@@ -186,10 +187,12 @@ def tasks():
     _wide().print(table)
 
 
-# Commands that live beside their code.
-from evalkit import bench, report, sweep  # noqa: E402
+# Commands that live beside their code (the tools: evalkit.bench, evalkit.sweep, evalkit.report).
+from evalkit.bench import command as bench_command  # noqa: E402
+from evalkit.report import page as report_page  # noqa: E402
+from evalkit.sweep import command as sweep_command  # noqa: E402
 
-for _module in (bench, sweep, report):
+for _module in (bench_command, sweep_command, report_page):
     _module.register(app)
 
 

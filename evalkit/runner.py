@@ -3,7 +3,8 @@
 Everything that can be refused is refused before the run folder exists; a run
 folder that exists is resumed, sample by sample, by one process at a time (the
 folder's lock: a second process on it waits). Results are on disk before W&B
-is told anything, so W&B can never cost one. Most tasks generate answers
+is told anything, so W&B can never cost one (the W&B mirror is handed in by the
+caller, `mirror=evalkit.integrations.wandb`: the runner imports no tool). Most tasks generate answers
 that the task scores; `ppl` streams passages through the cache and scores their
 log-likelihood (`score_rolling`). A task with `write_artifacts` (the niah
 grid's heatmap) writes its files into the run folder when the run finishes.
@@ -31,7 +32,6 @@ from evalkit.results import RunDir, check_writable_folder, complete_runs, packag
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
-from evalkit.tracking import decide_wandb_mode, log_run
 
 _BASELINE_KEYS = ("task", "task_args", "length", "samples", "model", "seed", "temperature", "dtype",
                   "data_format", "metric", "offset", "data_sha256")
@@ -47,9 +47,21 @@ class RunResult:
     resumed_from: int  # samples found already done
 
 
-def run(config: RunConfig, console: Console | None = None, wandb_mode: str | None = None) -> RunResult:
+class Mirror(Protocol):
+    """Where a finished run is mirrored once its results are on disk: `evalkit.integrations.wandb`."""
+
+    def decide_wandb_mode(self, requested: str, say: Callable[[str], None]) -> str: ...
+
+    def log_run(self, mode: str, run_dir: Path, run_id: str, config: dict, metrics: dict, records: list[dict],
+                warn: Callable[[str], None]) -> str | None: ...
+
+
+def run(config: RunConfig, console: Console | None = None, wandb_mode: str | None = None,
+        mirror: Mirror | None = None) -> RunResult:
     """`wandb_mode`: the W&B mode already decided (a sweep decides once for its cells); None: decided
-    here from `config.wandb`."""
+    here from `config.wandb`. `mirror`: the W&B mirror (`evalkit.integrations.wandb`, as `evalkit run`,
+    `sweep` and `lm-eval` pass it); without one nothing is mirrored, and a W&B mode other than off or
+    auto is refused."""
     console = console or Console(stderr=True)
     config.validate()
     run_dir = RunDir(config.out, config.run_id())
@@ -57,14 +69,25 @@ def run(config: RunConfig, console: Console | None = None, wandb_mode: str | Non
         return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
     check_writable_folder(config.out, "--out")
     say = one_line(console)
-    mode = wandb_mode or decide_wandb_mode(config.wandb, lambda line: say(f"note: {line}"))
+    mode = _wandb_mode(config, wandb_mode, mirror, say)
     with run_dir.locked(lambda: say(f"waiting for another evalkit process working on {run_dir.path}")):
         if run_dir.complete:  # finished by the process we waited for
             return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
-        return _run_locked(config, run_dir, mode, console)
+        return _run_locked(config, run_dir, mode, mirror, console)
 
 
-def _run_locked(config: RunConfig, run_dir: RunDir, mode: str, console: Console) -> RunResult:
+def _wandb_mode(config: RunConfig, decided: str | None, mirror: Mirror | None, say: Callable[[str], None]) -> str:
+    if mirror is None:
+        requested = decided or config.wandb
+        if requested not in ("off", "auto"):
+            raise EvalkitError(f"wandb={requested!r} needs a mirror: runner.run(..., "
+                               "mirror=evalkit.integrations.wandb)")
+        return "off"
+    return decided or mirror.decide_wandb_mode(config.wandb, lambda line: say(f"note: {line}"))
+
+
+def _run_locked(config: RunConfig, run_dir: RunDir, mode: str, mirror: Mirror | None,
+                console: Console) -> RunResult:
     dropped = run_dir.repair()
     if dropped:
         one_line(console)(f"note: {run_dir.predictions_path} held {dropped} repeated sample lines: kept the "
@@ -113,10 +136,10 @@ def _run_locked(config: RunConfig, run_dir: RunDir, mode: str, console: Console)
         # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
         task.write_artifacts(records, run_dir.path, provenance["config"])
     run_dir.finish(metrics)
-    if mode != "off":
+    if mode != "off" and mirror is not None:
         trouble: list[str] = []
         with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
-            log_run(mode, run_dir.path, config.run_id(), provenance, metrics, records, trouble.append)
+            mirror.log_run(mode, run_dir.path, config.run_id(), provenance, metrics, records, trouble.append)
         for line in trouble:
             one_line(console)(f"warning: {line}")
     return RunResult(config.run_id(), str(run_dir.path), metrics, _baseline(config), len(done))

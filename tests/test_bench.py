@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from evalkit.bench import parse_length
-from evalkit.benchmarks import FULL, HF_LOOP, Cell, Isolated, PeakMemory, compare_with_full, grid, targets
-from evalkit.benchmarks_components import (HeadShape, decode_attention_point, fit_power, prefill_statistics_point,
-                                           selection_point, summarise)
+from evalkit.bench.command import parse_length
+from evalkit.bench.components import (HeadShape, decode_attention_point, fit_power, prefill_statistics_point,
+                                      selection_point, summarise)
+from evalkit.bench.generations import FULL, HF_LOOP, Cell, compare_with_full, grid, targets
+from evalkit.bench.isolation import Isolated, PeakMemory
 from evalkit.cli import main
 from evalkit.errors import EvalkitError
 

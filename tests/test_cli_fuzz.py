@@ -34,7 +34,8 @@ def guarded(monkeypatch, tmp_path_factory):
     """The work replaced by ReachedWork; W&B with no credentials and no route; a tiny model folder."""
     import lm_eval.__main__
 
-    from evalkit import bench, models, runner
+    from evalkit import models, runner
+    from evalkit.bench import command as bench
 
     monkeypatch.setattr(runner, "load_model", _reached)
     monkeypatch.setattr(models, "load_model", _reached)

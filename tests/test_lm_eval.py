@@ -14,7 +14,8 @@ from conftest import tiny_model
 from evalkit import models
 from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
-from evalkit.lm_eval_adapter import EvalkitLM, main, save_run
+from evalkit.integrations.lm_eval import EvalkitLM
+from evalkit.integrations.lm_eval_command import main, save_run
 from evalkit.policies import make_policy
 
 MAX_LENGTH = 48  # small, so rolling perplexity spans several of lm-eval's windows

@@ -11,13 +11,13 @@ from evalkit.assets import default_model_dir
 from evalkit.cli import main
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.heatmap import (draw_grid, load_run, run_title, score_grid, side_by_side_figure, write_heatmap,
-                             write_side_by_side)
+from evalkit.report.heatmap import load_run, side_by_side_figure, write_side_by_side
 from evalkit.runner import run
 from evalkit.tasks import TASKS
 from evalkit.tasks.haystack import essay_words
 from evalkit.tasks.niah_grid import (FACTS, MIN_LENGTH, NEEDLE, NiahGrid, default_lengths, needle_word_index,
                                      parse_depths, parse_lengths)
+from evalkit.tasks.niah_heatmap import draw_grid, run_title, score_grid, write_heatmap
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

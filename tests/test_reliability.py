@@ -117,7 +117,7 @@ def test_wandb_online_without_credentials_is_refused_before_any_work(tiny_model_
 
 def test_wandb_failing_after_the_run_is_one_warning_and_exit_0(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                 no_wandb_credentials):
-    from evalkit import tracking
+    from evalkit.integrations import wandb as tracking
 
     def crash(*_, **__):
         raise RuntimeError("wandb-core exited\nwith a long story")
@@ -131,10 +131,22 @@ def test_wandb_failing_after_the_run_is_one_warning_and_exit_0(tiny_model_dir, t
     assert (folder / "metrics.json").exists()
 
 
+def test_the_runner_mirrors_to_wandb_only_through_the_mirror_its_caller_hands_in(tmp_path):
+    """The core imports no tool: `evalkit run` hands `evalkit.integrations.wandb` to the runner. Called
+    without it, a W&B mode that asks for logging is refused before any work, not silently dropped."""
+    from evalkit.config import RunConfig
+    from evalkit.runner import run
+
+    config = RunConfig(out=str(tmp_path), wandb="offline")
+    with pytest.raises(EvalkitError, match="needs a mirror"):
+        run(config)
+    assert not (tmp_path / config.run_id()).exists()
+
+
 def test_wandb_mode_is_decided_up_front_within_the_timeout(monkeypatch, no_wandb_credentials):
     import http.server
 
-    from evalkit import tracking
+    from evalkit.integrations import wandb as tracking
 
     said = []
     assert tracking.decide_wandb_mode("auto", said.append) == "offline" and said == []  # no credentials: quietly
@@ -169,8 +181,8 @@ def test_wandb_mode_is_decided_up_front_within_the_timeout(monkeypatch, no_wandb
 
 
 def test_lm_eval_results_are_on_disk_before_wandb_is_told(tmp_path, monkeypatch):
-    from evalkit import tracking
-    from evalkit.lm_eval_adapter import save_run
+    from evalkit.integrations import wandb as tracking
+    from evalkit.integrations.lm_eval_command import save_run
 
     seen = []
 
@@ -209,7 +221,7 @@ def test_policy_args_enter_the_run_id_only_when_given():
 def test_policy_args_reach_the_policy_in_run_sweep_and_lm_eval(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from conftest import tiny_model
     from evalkit.config import RunConfig
-    from evalkit.lm_eval_adapter import EvalkitLM
+    from evalkit.integrations.lm_eval import EvalkitLM
 
     out = tmp_path / "runs"
     code, _, err = evalkit(monkeypatch, capsys, *run_args(tiny_model_dir, out, "--wandb", "off", "--policy", "snapkv",
@@ -425,7 +437,7 @@ def test_report_skips_malformed_store_files_naming_them(monkeypatch, capsys, tmp
 
 
 def test_a_failing_report_leaves_the_previous_one_as_it_was(monkeypatch, tmp_path):
-    from evalkit import report
+    from evalkit.report import page as report
 
     runs = niah_store(tmp_path).parent
     report.build_report(runs, tmp_path / "report")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.report import budget_fraction, build_report, quality_auc
+from evalkit.report.page import budget_fraction, build_report, quality_auc
 from test_sweep import BUDGETS, POLICIES, evalkit, run_folders, swept  # noqa: F401 (swept is a fixture)
 
 

@@ -1,4 +1,4 @@
-"""RULER's thirteen tasks (evalkit.tasks.ruler_niah and evalkit.tasks.ruler) and the `ruler` group."""
+"""RULER's thirteen tasks (evalkit.tasks.ruler_niah, ruler_synthetic, ruler_qa) and the `ruler` group."""
 
 import json
 import math
@@ -10,12 +10,14 @@ from dataclasses import replace
 import pytest
 
 import evalkit.tasks.ruler as ruler  # registers the tasks
+import evalkit.tasks.ruler_qa as ruler_qa
 from evalkit.assets import default_model_dir
 from evalkit.errors import EvalkitError
 from evalkit.tasks.base import TASKS, Sample
 from evalkit.tasks.haystack import NOISE
-from evalkit.tasks.ruler import (CommonWordsExtraction, FrequentWordsExtraction, Qa1, Qa2, Ruler, VariableTracking,
-                                 load_qa, parse_hotpotqa, parse_squad, zeta)
+from evalkit.tasks.ruler import Ruler
+from evalkit.tasks.ruler_qa import Qa1, Qa2, load_qa, parse_hotpotqa, parse_squad
+from evalkit.tasks.ruler_synthetic import CommonWordsExtraction, FrequentWordsExtraction, VariableTracking, zeta
 from evalkit.tasks import ruler_niah
 from evalkit.tasks.ruler_niah import NIAH_TASKS
 
@@ -443,12 +445,12 @@ def test_hub_rows_are_regrouped_into_rulers_files():
             {"title": "A", "context": "c1", "question": "q2", "answers": {"text": [], "answer_start": []}},
             {"title": "A", "context": "c2", "question": "q3", "answers": {"text": ["y", "z"], "answer_start": [0, 0]}},
             {"title": "B", "context": "c3", "question": "q4", "answers": {"text": ["w"], "answer_start": [0]}}]
-    data = parse_squad(ruler._squad_from_hub(rows))
+    data = parse_squad(ruler_qa._squad_from_hub(rows))
     assert [(i.query, i.outputs, [data.docs[d] for d in i.gold], sorted(data.docs[d] for d in i.more))
             for i in data.items] == [("q1", ("x",), ["c1"], ["c2"]), ("q3", ("y", "z"), ["c2"], ["c1"]),
                                      ("q4", ("w",), ["c3"], [])]
     hotpot = [{"question": "q", "answer": "a", "context": {"title": ["T1", "T2"], "sentences": [["s1", "s2"], ["s3"]]}}]
-    data = parse_hotpotqa(ruler._hotpotqa_from_hub(hotpot))
+    data = parse_hotpotqa(ruler_qa._hotpotqa_from_hub(hotpot))
     assert data.docs == ("T1\ns1s2", "T2\ns3") and data.items[0].gold == (0, 1)
 
 
@@ -492,7 +494,7 @@ def test_qa_data_comes_from_the_hub_when_it_is_on(monkeypatch):
         return [{"question": "q", "answer": "a", "context": {"title": ["T"], "sentences": [["s"]]}}]
 
     monkeypatch.setattr("datasets.load_dataset", fake_load)
-    ruler._read_hub.cache_clear()
+    ruler_qa._read_hub.cache_clear()
     try:
         assert load_qa("hotpotqa").docs == ("T\ns",)
         assert calls == [("hotpotqa/hotpot_qa", "distractor", "validation")]
@@ -500,7 +502,7 @@ def test_qa_data_comes_from_the_hub_when_it_is_on(monkeypatch):
             load_qa("squad")
         assert calls[1] == ("rajpurkar/squad_v2", None, "validation") and "\n" not in str(error.value)
     finally:
-        ruler._read_hub.cache_clear()
+        ruler_qa._read_hub.cache_clear()
 
 
 def test_qa_refuses_more_samples_than_questions(qa_files, prompt_length):

@@ -3,7 +3,7 @@
 One needle sentence is hidden in the Paul Graham essays at every cell of a grid
 of context lengths × depth percents, and the model is asked to retrieve it. The
 run's heatmap (depth × length, score colour) is written by `write_artifacts`
-to `heatmap.png` in the run folder; `evalkit.heatmap` puts several runs side by side.
+to `heatmap.png` in the run folder; `evalkit.report.heatmap` puts several runs side by side.
 
 As in gkamradt's tester: his needle, question and prompt (the Hugging Face
 provider's, its system prompt at the head of the user turn, as he does for
@@ -200,7 +200,7 @@ class NiahGrid(Task):
 
     def write_artifacts(self, records: list[dict], folder: Path, config: dict) -> list[Path]:
         """The run's heatmap, `folder/heatmap.png`, titled with the run's policy and budget."""
-        from evalkit.heatmap import run_title, write_heatmap
+        from evalkit.tasks.niah_heatmap import run_title, write_heatmap
 
         return [write_heatmap(records, folder / "heatmap.png", run_title(config))]
 

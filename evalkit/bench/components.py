@@ -10,8 +10,8 @@
   and one query's attention, swept over the prompt length n at fixed k (should be flat) and over k
   at fixed n (should grow with k).
 
-Every point runs in its own process (see `benchmarks.Isolated`), so its peak memory is its own;
-memory is read in one more call after the timed ones (see `benchmarks.PeakMemory`).
+Every point runs in its own process (see `evalkit.bench.isolation.Isolated`), so its peak memory is its own;
+memory is read in one more call after the timed ones (see `evalkit.bench.isolation.PeakMemory`).
 Fits are least squares of log(value) on log(size): value ∝ size^exponent, and per_doubling =
 2^exponent = value(2n) / value(n).
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.benchmarks import Clock, PeakMemory
+from evalkit.bench.isolation import Clock, PeakMemory
 
 PREFILL_COLLECTS = (None, "attention", "window")
 SNAPKV_WINDOW = 32

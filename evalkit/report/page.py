@@ -324,7 +324,7 @@ def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: 
                              "data": base64.b64encode(data).decode()})
 
     table = [[_display(row[key], kind, row["lower_is_better"]) for _, key, kind in COLUMNS] for row in rows]
-    template = (files("evalkit") / "report_assets" / "index.html.j2").read_text()
+    template = (files("evalkit.report") / "assets" / "index.html.j2").read_text()
     html = jinja2.Environment(autoescape=True).from_string(template).render(
         columns=[heading for heading, _, _ in COLUMNS], table=table, plots=plots, heatmaps=heatmaps,
         predictions=[_predictions(e) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],

@@ -1,6 +1,6 @@
 """`evalkit bench`: speed and memory of every policy against the full cache and HF `generate`, in one run.
 
-Measurement lives in `evalkit.benchmarks` (whole generations) and `evalkit.benchmarks_components`
+Measurement lives in `evalkit.bench.generations` (whole generations) and `evalkit.bench.components`
 (one layer's pieces); this module parses the command line, walks the grid with a progress bar,
 keeps what is measured in `<out>/bench.json` after every cell (a rerun with the same settings
 measures only what is missing), and draws `<out>/bench.png` and `<out>/components.png`.
@@ -55,7 +55,7 @@ def bench(
     """Time and memory of each policy × budget × length against the full cache and HF generate, same run."""
     import dataclasses
 
-    from evalkit.benchmarks import BenchSettings
+    from evalkit.bench.generations import BenchSettings
     from evalkit.config import parse_policy_args
     from evalkit.results import check_writable_folder
 
@@ -157,7 +157,7 @@ def _run(settings, plan: dict, with_components: bool, out_dir: str, fresh: bool)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from evalkit import benchmarks, benchmarks_components
+    from evalkit.bench import components, generations, isolation
     from evalkit.policies import make_policy
     from evalkit.results import package_versions, write_json_atomic
 
@@ -165,11 +165,11 @@ def _run(settings, plan: dict, with_components: bool, out_dir: str, fresh: bool)
     out = Console(width=max(Console().width, 170))  # wide tables stay readable when piped to a file
     folder = Path(out_dir)
     json_path = folder / "bench.json"
-    cells = benchmarks.grid(plan["policies"], plan["budgets"], plan["layouts"], plan["lengths"],
+    cells = generations.grid(plan["policies"], plan["budgets"], plan["layouts"], plan["lengths"],
                             plan["granularities"])
     evicting = [p for p in plan["policies"] if make_policy(p).evicts]
-    shape = benchmarks_components.HeadShape.of(plan["config"], plan["torch_dtype"], plan["torch_device"])
-    points = (benchmarks_components.plan(plan["lengths"], evicting, plan["budgets"][0], settings.block_size)
+    shape = components.HeadShape.of(plan["config"], plan["torch_dtype"], plan["torch_device"])
+    points = (components.plan(plan["lengths"], evicting, plan["budgets"][0], settings.block_size)
               if with_components else [])
     grid_spec = {k: plan[k] for k in ("policies", "budgets", "layouts", "lengths", "granularities")}
 
@@ -197,13 +197,13 @@ def _run(settings, plan: dict, with_components: bool, out_dir: str, fresh: bool)
               f"{0 if reuse_components else len(points)} component points")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=err, transient=True)
-    preload = tuple(m for m in ("transformers.generation.utils", benchmarks.model_module(plan["config"])) if m)
-    with benchmarks.Isolated(preload) as isolated, progress:
+    preload = tuple(m for m in ("transformers.generation.utils", isolation.model_module(plan["config"])) if m)
+    with isolation.Isolated(preload) as isolated, progress:
         bar = progress.add_task("bench", total=len(cells) + (0 if reuse_components else len(points)))
         for cell in cells:
             if cell.key not in measured:
                 progress.update(bar, description=f"{cell.label} · {cell.layout} · {cell.length} tokens")
-                row = isolated.run(settings.threads, benchmarks.measure_cell, settings, cell)
+                row = isolated.run(settings.threads, generations.measure_cell, settings, cell)
                 row["load_average"] = os.getloadavg()[0]
                 measured[cell.key] = row
                 # Saved after every cell: an interrupted bench keeps what it measured and resumes.
@@ -216,12 +216,12 @@ def _run(settings, plan: dict, with_components: bool, out_dir: str, fresh: bool)
             results = _measure_components(isolated, points, shape, lambda text: progress.update(bar, description=text),
                                           lambda: progress.advance(bar))
             document["components"] = {"plan": _points_spec(points, shape), "shape": asdict(shape),
-                                      **benchmarks_components.summarise(results, plan["lengths"])}
+                                      **components.summarise(results, plan["lengths"])}
 
     rows = [measured[c.key] for c in cells]
-    benchmarks.compare_with_full(rows)
+    generations.compare_with_full(rows)
     collects = {p for p in plan["policies"] if make_policy(p).collect_prefill == "attention"}
-    document.update(cells=rows, targets=benchmarks.targets(rows, collects, settings.block_size), complete=True)
+    document.update(cells=rows, targets=generations.targets(rows, collects, settings.block_size), complete=True)
     document["environment"]["load_average_end"] = os.getloadavg()[0]
     write_json_atomic(json_path, document)
     title = (f"{settings.model} · {document['environment']['device']} · {settings.new_tokens} new tokens · "

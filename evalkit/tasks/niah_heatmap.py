@@ -1,13 +1,11 @@
-"""Needle-in-a-haystack heatmaps: depth × context length, coloured by score, from `niah` runs.
+"""A niah run's heatmap: depth × context length, coloured by score (the niah grid's artifact).
 
 A cell's score is the mean score of the run's samples with that length and depth
 (their `meta["length"]`, `meta["depth"]` in predictions.jsonl). Colours run
 red (0) to green (1) on the same fixed scale in every picture, so pictures
 and panels compare directly; a cell with no sample is grey. Drawn with
-matplotlib's object API (no pyplot): nothing global changes.
-
-    from evalkit.heatmap import write_side_by_side
-    write_side_by_side(["runs/niah-full-1.0-...", "runs/niah-h2o_head-0.2-..."], "niah.png")
+matplotlib's object API (no pyplot): nothing global changes. Several runs side
+by side: `evalkit.report.heatmap`.
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from evalkit.errors import EvalkitError
-from evalkit.results import RunDir, check_writable_file, read_json
 
 _COLOURS = "RdYlGn"
 _ANNOTATE_UP_TO = 12  # cells per side beyond which numbers would not fit in the squares
-_PANELS_PER_ROW = 4
 
 
 @dataclass(frozen=True)
@@ -66,46 +62,10 @@ def score_grid(records: list[dict], source: str = "run") -> ScoreGrid:
 def write_heatmap(records: list[dict], path: str | Path, title: str) -> Path:
     """One run's heatmap as a PNG at `path`."""
     grid = score_grid(records, title)
-    figure = _figure(1, 1, grid)
+    figure = grid_figure(1, 1, grid)
     image = draw_grid(figure.add_subplot(1, 1, 1), grid, title)
     figure.colorbar(image, ax=figure.axes, label="score", shrink=0.9)
-    return _save(figure, path)
-
-
-def write_side_by_side(run_dirs: list[str | Path], path: str | Path) -> Path:
-    """One PNG with a heatmap per run folder (one per policy and budget), on a shared colour scale."""
-    check_writable_file(path, "-o")
-    return _save(side_by_side_figure(run_dirs), path)
-
-
-def side_by_side_figure(run_dirs: list[str | Path]):
-    """A matplotlib Figure: one panel per run folder, up to four a row, and one colour bar for all."""
-    if not run_dirs:
-        raise EvalkitError("no run folders given")
-    runs = [load_run(run_dir) for run_dir in run_dirs]
-    grids = [score_grid(records, str(run_dir)) for run_dir, (records, _) in zip(run_dirs, runs)]
-    columns = min(len(runs), _PANELS_PER_ROW)
-    rows = math.ceil(len(runs) / columns)
-    widest = max(grids, key=lambda g: len(g.lengths))
-    figure = _figure(rows, columns, widest)
-    image = None
-    for index, (grid, (_, title)) in enumerate(zip(grids, runs)):
-        image = draw_grid(figure.add_subplot(rows, columns, index + 1), grid, title)
-    figure.colorbar(image, ax=figure.axes, label="score", shrink=0.9)
-    return figure
-
-
-def load_run(run_dir: str | Path) -> tuple[list[dict], str]:
-    """(prediction records, panel title "policy @ budget") of a run folder; a torn last line (a run being
-    written, or killed) is left out, any other malformed file refused naming it."""
-    folder = Path(run_dir)
-    store = RunDir(folder.parent, folder.name)
-    if not store.config_path.is_file() or not store.predictions_path.is_file():
-        raise EvalkitError(f"{folder} is not a run folder (no config.json and predictions.jsonl)")
-    config = read_json(store.config_path).get("config")
-    if not isinstance(config, dict):
-        raise EvalkitError(f"{store.config_path} has no run config: not a run folder evalkit wrote")
-    return store.predictions(), run_title(config)
+    return save_png(figure, path)
 
 
 def run_title(config: dict) -> str:
@@ -117,7 +77,7 @@ def run_title(config: dict) -> str:
     return f"{policy} @ {config.get('budget', '?')}{agnostic}"
 
 
-def _figure(rows: int, columns: int, grid: ScoreGrid):
+def grid_figure(rows: int, columns: int, grid: ScoreGrid):
     from matplotlib.figure import Figure
 
     width = 1.6 + 0.55 * max(len(grid.lengths), 4)
@@ -145,7 +105,7 @@ def draw_grid(axes, grid: ScoreGrid, title: str):
     return image
 
 
-def _save(figure, path: str | Path) -> Path:
+def save_png(figure, path: str | Path) -> Path:
     """Written to a temporary name and renamed: an interrupted write leaves no half picture."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,123 @@
+"""`evalkit sweep`: the command line over a plan (`evalkit.sweep.plan`) and its engines
+(`evalkit.sweep.engines`): --dry-run prints the cells and what is done, otherwise runs them and prints
+the score grid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from evalkit.sweep.engines import run_plan
+from evalkit.sweep.plan import Cell, Plan, make_plan, resolve_settings, sweep_rows
+
+
+def register(app: typer.Typer) -> None:
+    """Adds `evalkit sweep` to the command line."""
+    app.command("sweep")(sweep)
+
+
+def sweep(
+    ctx: typer.Context,
+    config_file: Optional[Path] = typer.Option(None, "--config", help="YAML, TOML or JSON file of these options "
+                                               "(keys as the option names); flags given here override it."),
+    policies: str = typer.Option("h2o_head,h2o_token,h2o_page,snapkv", help="Comma-separated policies."),
+    budgets: str = typer.Option("0.1,0.2,0.5", help="Comma-separated budgets: fractions in (0, 1] or token counts."),
+    tasks: str = typer.Option("ruler:niah_single_2", help="Comma-separated tasks."),
+    length: str = typer.Option("2048", help="Prompt + answer tokens per sample; comma-separated for several."),
+    samples: Optional[int] = typer.Option(None, help="Samples per cell (default 10); data tasks take --limit."),
+    task_arg: list[str] = typer.Option([], help="Task setting KEY=VALUE for every task (repeatable)."),
+    data_format: Optional[str] = typer.Option(None, "--format",
+                                              help="Data tasks: kvpress, ruler, longbench or auto."),
+    metric: Optional[str] = typer.Option(None, help="Data tasks: the metric (default: the format's own)."),
+    limit: Optional[int] = typer.Option(None, help="Data tasks: at most this many records (default: all)."),
+    offset: Optional[int] = typer.Option(None, help="Data tasks: skip this many records first (default 0)."),
+    model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
+    layout: str = typer.Option("paged", help="KV storage: paged or dense."),
+    block_size: int = typer.Option(16, help="Tokens per page."),
+    granularity: Optional[str] = typer.Option(None, help="Override every policy's granularity: head, head_page, "
+                                                         "token or page."),
+    policy_arg: list[str] = typer.Option([], help="Policy hyper-parameter KEY=VALUE for every policy (repeatable; "
+                                                  "not the full-cache baseline)."),
+    prefill: str = typer.Option("full", help="full or chunked."),
+    chunk_size: int = typer.Option(512, help="Tokens per chunk with --prefill chunked."),
+    query_aware: bool = typer.Option(True, "--query-aware/--query-agnostic",
+                                     help="Compress with the question in the prompt, or before it is seen."),
+    decode_eviction: bool = typer.Option(True, "--decode-eviction/--no-decode-eviction",
+                                         help="Keep the cache at budget while decoding, or let it grow."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    seed: int = typer.Option(0, help="Seed for samples, random policies and sampling."),
+    batch_size: int = typer.Option(1, help="Prompts per generation batch."),
+    pool_pages: Optional[int] = typer.Option(None, help="Pages per layer's pool (default: what the batch needs)."),
+    dtype: str = typer.Option("auto", help="auto, float32, bfloat16, float16."),
+    device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
+    out: str = typer.Option("runs", "--out", help="Results folder (shared with `evalkit run`)."),
+    wandb: str = typer.Option("auto", help="auto (online only with credentials), off, offline, online."),
+    kernels: str = typer.Option("auto", help="Attention: auto (Triton kernels on CUDA, torch elsewhere), "
+                                             "triton, torch."),
+    engine: str = typer.Option("local", help="local: cells one after another in this process; ray: one Ray task "
+                               "per cell (one GPU each where the cluster has GPUs)."),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: start a local instance)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the cells and what is already done; run nothing."),
+):
+    """Run a grid of policies × budgets × tasks (× lengths) plus each full-cache baseline; resumable."""
+    from rich.console import Console
+
+    plan = make_plan(resolve_settings(ctx, config_file))
+    stdout, stderr = Console(), Console(stderr=True)
+    if dry_run:
+        _print_plan(plan, stdout)
+        return
+    run_plan(plan, stderr)
+    _print_grid(plan, stdout)
+
+
+def _state(plan: Plan, cell: Cell) -> str:
+    from evalkit.results import RunDir
+
+    run_dir = RunDir(plan.out, cell.run_id)
+    if run_dir.complete:
+        return "done"
+    if run_dir.predictions_path.exists():
+        return f"partial ({len(run_dir.predictions())} samples)"
+    return "to run"
+
+
+def _print_plan(plan: Plan, console) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{plan.sweep_id}: {len(plan.cells)} cells", title_justify="left")
+    for column in ("run id", "task", "length", "policy", "budget", "state"):
+        table.add_column(column)
+    for cell in plan.cells:
+        c = cell.config
+        table.add_row(cell.run_id, c.task, str(c.length), c.policy + (" (baseline)" if cell.baseline else ""),
+                      str(c.budget), _state(plan, cell))
+    Console(file=console.file, width=max(console.width, 140)).print(table)  # run ids are long: never cut them
+
+
+def _print_grid(plan: Plan, console) -> None:
+    """Score per policy (rows) and budget (columns), one table per task and length."""
+    from rich.table import Table
+
+    rows = sweep_rows(plan)
+    for task in plan.settings["tasks"]:
+        for length in plan.settings["lengths"]:
+            here = [r for r in rows if r["task"] == task and r["length"] == length]
+            if not here:
+                continue
+            full = here[0]["full_cache_score"]
+            console.print(f"[bold]{task} @ {length}[/]: score %, full cache "
+                          + (f"{100 * full:.1f}" if full is not None else "not run"), highlight=False)
+            table = Table()
+            table.add_column("policy")
+            budgets = list(dict.fromkeys(r["budget"] for r in here))
+            for budget in budgets:
+                table.add_column(str(budget), justify="right")
+            for policy in dict.fromkeys(r["policy"] for r in here):
+                by_budget = {r["budget"]: r["score"] for r in here if r["policy"] == policy}
+                table.add_row(policy, *(f"{100 * by_budget[b]:.1f}" if b in by_budget else "" for b in budgets))
+            console.print(table)
+    console.print(f"results: {plan.out}  (report: evalkit report {plan.out})")

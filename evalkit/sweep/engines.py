@@ -1,0 +1,208 @@
+"""Running a sweep's cells: in this process one after another, or one Ray task per cell; then the
+sweep's own W&B run. A Ray worker runs its cell in a scratch folder and sends the run folder's files
+back, so the results store is written by this process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+
+from evalkit.integrations import wandb as wandb_mirror
+from evalkit.sweep.plan import Cell, Plan, cell_summary, sweep_rows
+
+# Environment a Ray worker needs to behave like this process (offline hub, W&B mode and group, caches).
+_WORKER_ENV_PREFIXES = ("HF_", "WANDB_", "EVALKIT_", "TRANSFORMERS_", "TRITON_")
+
+
+def run_plan(plan: Plan, console) -> None:
+    """Runs every cell that is not complete, then logs the sweep to W&B; rerunning resumes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from evalkit.results import RunDir, check_writable_folder, write_json_atomic
+    from evalkit.runner import one_line
+
+    check_writable_folder(plan.out, "--out")
+    say = one_line(console)
+    mode = wandb_mirror.decide_wandb_mode(plan.settings["wandb"], lambda line: say(f"note: {line}"))
+    for cell in plan.cells:  # decided once here, before any work, so no cell can be refused for W&B later
+        cell.config.wandb = mode
+    sweep_dir = Path(plan.out) / "_sweeps" / plan.sweep_id
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(sweep_dir / "sweep.json", {"sweep_id": plan.sweep_id, "settings": plan.settings,
+                                                 "cells": [cell_summary(c) for c in plan.cells]})
+    todo = [cell for cell in plan.cells if not RunDir(plan.out, cell.run_id).complete]
+    progress = Progress(TextColumn("[bold]sweep[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TextColumn("{task.description}"), console=console)
+    with progress, _wandb_group(plan.sweep_id if mode != "off" else None):
+        bar = progress.add_task("", total=len(plan.cells), completed=len(plan.cells) - len(todo))
+        if plan.engine == "ray":
+            _run_on_ray(plan, todo, console, progress, bar)
+        else:
+            _run_local(todo, console, progress, bar)
+    if mode != "off":
+        trouble: list[str] = []
+        with console.status("logging the sweep to W&B"):  # lines printed under a status can be lost: said after
+            _log_sweep(plan, mode, sweep_dir, trouble.append)
+        for line in trouble:
+            say(f"warning: {line}")
+
+
+@contextlib.contextmanager
+def _wandb_group(group: str | None):
+    """Groups the cells' W&B runs under the sweep (W&B reads WANDB_RUN_GROUP); restored afterwards."""
+    previous = os.environ.get("WANDB_RUN_GROUP")
+    if group:
+        os.environ["WANDB_RUN_GROUP"] = group
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("WANDB_RUN_GROUP", None)
+        else:
+            os.environ["WANDB_RUN_GROUP"] = previous
+
+
+def _run_local(cells: list[Cell], console, progress, bar) -> None:
+    from evalkit.runner import run
+
+    for cell in cells:
+        progress.update(bar, description=cell.label())
+        run(cell.config, console, wandb_mode=cell.config.wandb, mirror=wandb_mirror)
+        progress.advance(bar)
+    progress.update(bar, description="")
+
+
+def _run_on_ray(plan: Plan, cells: list[Cell], console, progress, bar) -> None:
+    """One Ray task per cell. Workers run in their own scratch space and send the run folder back,
+    so the driver's results store fills the same way whether the cluster shares its disk or not."""
+    import logging
+
+    import ray
+
+    from evalkit.errors import EvalkitError
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(_WORKER_ENV_PREFIXES)}
+    started_here = not ray.is_initialized()
+    if started_here:
+        with console.status("starting Ray" if plan.ray_address is None else f"joining Ray at {plan.ray_address}"):
+            ray.init(address=plan.ray_address, runtime_env={"env_vars": env}, include_dashboard=False,
+                     log_to_driver=False, logging_level=logging.ERROR)
+    pending = {}
+    try:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        task = ray.remote(num_cpus=1, num_gpus=gpus, max_retries=0)(run_cell_in_worker)
+        pending = {task.remote(cell.config.to_dict(), _partial_files(plan.out, cell)): cell for cell in cells}
+        progress.update(bar, description=f"{len(pending)} cells on Ray")
+        while pending:
+            (ready,), _ = ray.wait(list(pending), num_returns=1)
+            cell = pending.pop(ready)
+            try:
+                files = ray.get(ready)
+            except ray.exceptions.RayTaskError as error:
+                if isinstance(error.cause, EvalkitError):  # bad input found inside a worker: same one line
+                    raise EvalkitError(f"{cell.label()}: {error.cause}") from None
+                raise
+            store_cell_files(plan.out, cell.run_id, files)
+            progress.advance(bar)
+            progress.update(bar, description=f"{len(pending)} cells on Ray" if pending else "")
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        if started_here:
+            ray.shutdown()
+
+
+def run_cell_in_worker(config_fields: dict, partial: dict[str, bytes]) -> dict[str, bytes]:
+    """Runs one cell in a scratch folder (seeded with a partial run to resume) and returns the
+    run folder's files, relative path -> bytes."""
+    import tempfile
+
+    from rich.console import Console
+
+    from evalkit.config import RunConfig
+    from evalkit.runner import run
+
+    with tempfile.TemporaryDirectory(prefix="evalkit-cell-") as scratch:
+        config = RunConfig(**{**config_fields, "out": scratch})
+        folder = Path(scratch) / config.run_id()
+        folder.mkdir()
+        for name, data in partial.items():
+            (folder / name).write_bytes(data)
+        run(config, Console(stderr=True, quiet=True), wandb_mode=config.wandb, mirror=wandb_mirror)
+        files = {}
+        for root, _, names in os.walk(folder):  # symlinks (W&B's latest-run) are not files to copy
+            for name in names:
+                path = Path(root) / name
+                if not path.is_symlink():
+                    files[str(path.relative_to(folder))] = path.read_bytes()
+        return files
+
+
+def _partial_files(out: str, cell: Cell) -> dict[str, bytes]:
+    """A partial run's config and predictions, for a worker to resume (its runner cuts a torn last line)."""
+    from evalkit.results import RunDir
+
+    run_dir = RunDir(out, cell.run_id)
+    if run_dir.complete or not run_dir.config_path.exists():
+        return {}
+    files = {"config.json": run_dir.config_path.read_bytes()}
+    if run_dir.predictions_path.exists():
+        files["predictions.jsonl"] = run_dir.predictions_path.read_bytes()
+    return files
+
+
+def store_cell_files(out: str, run_id: str, files: dict[str, bytes]) -> None:
+    """Writes a worker's run folder into the store: every file atomically, metrics.json (the mark of
+    a complete run) last, so a driver killed midway leaves a partial run that resumes."""
+    from evalkit.results import RunDir, write_json_atomic
+
+    run_dir = RunDir(out, run_id)
+    files = dict(files)
+    metrics = files.pop("metrics.json")
+    provenance = json.loads(files.pop("config.json"))
+    provenance["config"]["out"] = out  # the worker ran in scratch space; record where the result lives
+    with run_dir.locked():
+        write_json_atomic(run_dir.config_path, provenance)
+        for name, data in files.items():
+            _write_bytes_atomic(run_dir.path / name, data)
+        _write_bytes_atomic(run_dir.metrics_path, metrics)
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _log_sweep(plan: Plan, mode: str, sweep_dir: Path, warn) -> None:
+    """One sweep-level W&B run: the cells table, quality- and memory-vs-budget lines per task, AUCs."""
+    from evalkit.report.page import quality_auc
+
+    rows = sweep_rows(plan)
+    charts, summary = {}, {}
+    for task in plan.settings["tasks"]:
+        for length in plan.settings["lengths"]:
+            here = [r for r in rows if r["task"] == task and r["length"] == length]
+            if not here:
+                continue
+            setting = re.sub(r"[^\w.-]+", "-", f"{task}-{length}")  # a W&B key and a file name
+            quality = wandb_mirror.LineSeries(f"quality vs budget: {setting}", "budget", "score")
+            memory = wandb_mirror.LineSeries(f"KV held / full vs budget: {setting}", "budget", "KV held / full")
+            lowest, full = min(r["budget_fraction"] for r in here), here[0]["full_cache_score"]
+            for policy in dict.fromkeys(r["policy"] for r in here):
+                points = sorted((r for r in here if r["policy"] == policy), key=lambda r: r["budget_fraction"])
+                quality.lines[policy] = [(r["budget_fraction"], r["score"]) for r in points]
+                memory.lines[policy] = [(r["budget_fraction"], r["held_over_full"]) for r in points]
+                auc = quality_auc(quality.lines[policy], lowest, full)
+                if auc is not None:
+                    summary[f"auc/{setting}/{policy}"] = auc
+            if full is not None:
+                quality.lines["full cache"] = [(lowest, full), (1.0, full)]
+            charts[f"quality_vs_budget/{setting}"] = quality
+            charts[f"memory_vs_budget/{setting}"] = memory
+    wandb_mirror.log_sweep(mode, sweep_dir, plan.sweep_id, plan.settings, rows, charts, summary, warn)

@@ -1,0 +1,233 @@
+"""A sweep's plan: policies × budgets × tasks × lengths as cells, from defaults, a config file and flags.
+
+A cell is one RunConfig and one `runner.run`, keyed by its run id, so the results store
+gives crash safety for free: a complete run folder (metrics.json present) is skipped and a
+partial one resumes sample by sample. Every (task, length) also gets its full-cache
+baseline (policy `full`, budget 1), computed once and shared by all cells of that setting.
+Running the cells: `evalkit.sweep.engines`; the command: `evalkit.sweep.command`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+if TYPE_CHECKING:
+    from evalkit.config import RunConfig
+
+ENGINES = ("local", "ray")
+
+
+@dataclass
+class Cell:
+    config: RunConfig
+    baseline: bool
+
+    @property
+    def run_id(self) -> str:
+        return self.config.run_id()
+
+    def label(self) -> str:
+        return f"{self.config.task} @ {self.config.length}: {self.config.policy} @ {self.config.budget}"
+
+
+@dataclass
+class Plan:
+    cells: list[Cell]
+    settings: dict  # the resolved sweep settings, as recorded in sweep.json and W&B
+    out: str
+    engine: str
+    ray_address: str | None
+
+    @property
+    def sweep_id(self) -> str:
+        digest = hashlib.sha256("\n".join(sorted(c.run_id for c in self.cells)).encode()).hexdigest()[:8]
+        return f"sweep-{digest}"
+
+
+# ---- settings: defaults <- config file <- command-line flags ------------------------------------------
+
+_GRID_KEYS = ("policies", "budgets", "tasks", "length")
+_NOT_SETTINGS = ("config_file", "dry_run")
+
+
+def resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:
+    from evalkit.errors import EvalkitError
+
+    params = {p.name: p for p in ctx.command.params if p.name not in _NOT_SETTINGS}
+    settings = {name: value for name, value in ctx.params.items() if name in params}
+    if config_file is None:
+        return settings
+    from evalkit.config import RunConfig
+
+    # A file key is a flag's name (`format`, `block-size`) or its parameter's (`data_format`, `block_size`).
+    by_flag = {opt.lstrip("-").replace("-", "_"): name for name, p in params.items() for opt in p.opts}
+    spelled = {"task_args": "task_arg", "policy_args": "policy_arg"}  # RunConfig's names -> the flags'
+    extra_fields = {f.name for f in fields(RunConfig)} - set(params) - {"policy", "budget", "task", *spelled}
+    for key, value in read_config_file(config_file).items():
+        name = key.replace("-", "_")
+        name = spelled.get(name, by_flag.get(name, name))
+        if name in spelled.values() and isinstance(value, dict):  # KEY=VALUE settings as a mapping
+            value = [f"{k}={v}" for k, v in value.items()]
+        if name in params:
+            if ctx.get_parameter_source(name).name != "DEFAULT":  # a flag on the command line wins
+                continue
+            if name in _GRID_KEYS and isinstance(value, list):
+                value = ",".join(str(item) for item in value)
+            try:  # the flag's own type converts and checks the file's value
+                settings[name] = params[name].process_value(ctx, value)
+            except typer.BadParameter as error:
+                raise EvalkitError(f"config file {config_file}: {key}: {error.message}") from None
+        elif name in extra_fields:  # RunConfig fields without a flag pass through as written
+            settings[name] = value
+        else:
+            known = sorted({*by_flag, *extra_fields, *spelled})
+            raise EvalkitError(f"config file {config_file}: unknown key {key!r}; known: {', '.join(known)}")
+    return settings
+
+
+def read_config_file(path: Path) -> dict:
+    """A mapping from a .yaml/.yml, .toml or .json file; anything unreadable is one clear error."""
+    from evalkit.errors import EvalkitError
+
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise EvalkitError(f"cannot read config file {path}: {error.strerror or error}") from None
+    suffix = Path(path).suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise EvalkitError(f"config file {path}: unknown format {suffix or '(no suffix)'!r}; "
+                               "use .yaml, .yml, .toml or .json")
+    except EvalkitError:
+        raise
+    except Exception as error:  # each parser has its own error type; all mean "not valid <format>"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise EvalkitError(f"cannot parse config file {path}: {reason}") from None
+    if not isinstance(data, dict):
+        raise EvalkitError(f"config file {path} must hold a mapping of option names to values")
+    return data
+
+
+def _split(value, flag: str) -> list[str]:
+    from evalkit.errors import EvalkitError
+
+    items = [item.strip() for item in str(value).split(",") if item.strip()]
+    if not items:
+        raise EvalkitError(f"--{flag} is empty: give a comma-separated list")
+    return items
+
+
+# ---- the plan -------------------------------------------------------------------------------------------
+
+def make_plan(settings: dict) -> Plan:
+    """Every cell, validated, before anything runs: bad input never leaves a half-run grid."""
+    from evalkit.config import RunConfig, parse_budget, parse_policy_args, parse_task_args
+    from evalkit.errors import EvalkitError
+    from evalkit.models import model_source
+    from evalkit.tasks.custom import is_data_task
+
+    settings = dict(settings)
+    policies = _split(settings.pop("policies"), "policies")
+    budgets = [parse_budget(b) for b in _split(settings.pop("budgets"), "budgets")]
+    tasks = _split(settings.pop("tasks"), "tasks")
+    lengths = []
+    for item in _split(settings.pop("length"), "length"):
+        if not item.isdigit():
+            raise EvalkitError(f"--length takes whole numbers of tokens, got {item!r}")
+        lengths.append(int(item))
+    engine, ray_address = settings.pop("engine"), settings.pop("ray_address")
+    if engine not in ENGINES:
+        raise EvalkitError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    task_args, policy_args = parse_task_args(settings.pop("task_arg")), parse_policy_args(settings.pop("policy_arg"))
+    base = {k: v for k, v in settings.items() if v is not None or k not in _UNSET_MEANS_DEFAULT}
+    base["task_args"], base["policy_args"] = task_args, policy_args
+    model_source(base["model"])  # a missing local model is refused before the first cell
+    _refuse_unused(base, tasks)
+
+    cells: dict[str, Cell] = {}
+    for task in tasks:
+        # --samples sizes registered tasks; --limit/--offset/--format/--metric select from data files.
+        unused = _DATA_OPTIONS if not is_data_task(task) else ("samples",)
+        for length in lengths:
+            grid = [("full", 1.0, True)] + [(p, b, False) for p in policies for b in budgets]
+            for policy, budget, is_baseline in grid:
+                fields_here = {k: v for k, v in base.items() if k not in unused}
+                if is_baseline:  # the full cache, as it is
+                    fields_here["granularity"], fields_here["policy_args"] = None, {}
+                config = RunConfig(**fields_here, policy=policy, budget=budget, task=task, length=length).validate()
+                cells.setdefault(config.run_id(), Cell(config, is_baseline))
+    grid = [c.config for c in cells.values() if not c.baseline]
+    resolved = {"policies": list(dict.fromkeys(c.policy for c in grid)), "budgets": budgets,  # canonical names
+                "tasks": list(dict.fromkeys(c.config.task for c in cells.values())), "lengths": lengths, **base}
+    return Plan(list(cells.values()), resolved, base["out"], engine, ray_address)
+
+
+_DATA_OPTIONS = ("data_format", "metric", "limit", "offset")
+_UNSET_MEANS_DEFAULT = ("samples", *_DATA_OPTIONS)  # None: RunConfig's own default
+
+
+def _refuse_unused(base: dict, tasks: list[str]) -> None:
+    """An option that applies to none of the grid's tasks is a mistake, as it is for `evalkit run`."""
+    from evalkit.errors import EvalkitError
+    from evalkit.tasks.custom import is_data_task
+
+    flags = {"data_format": "format", "metric": "metric", "limit": "limit", "offset": "offset"}
+    if not any(is_data_task(t) for t in tasks):
+        for name, flag in flags.items():
+            if base.get(name) is not None:
+                raise EvalkitError(f"--{flag} is for data tasks (jsonl:PATH, hf:NAME[:CONFIG]:SPLIT), and none of "
+                                   f"{', '.join(tasks)} is one")
+    if base.get("samples") is not None and all(is_data_task(t) for t in tasks):
+        raise EvalkitError("--samples is not for data tasks: they run every record in "
+                           "[--offset, --offset + --limit); use --limit N")
+
+
+# ---- what a sweep reports -----------------------------------------------------------------------------
+
+def cell_summary(cell: Cell) -> dict:
+    c = cell.config
+    return {"run_id": cell.run_id, "task": c.task, "length": c.length, "policy": c.policy, "budget": c.budget,
+            "baseline": cell.baseline}
+
+
+def sweep_rows(plan: Plan) -> list[dict]:
+    """One row per complete non-baseline cell: its numbers and its score relative to the full cache."""
+    from evalkit.report.page import budget_fraction
+    from evalkit.results import RunDir
+
+    baselines = {}
+    for cell in plan.cells:
+        if cell.baseline and RunDir(plan.out, cell.run_id).complete:
+            baselines[(cell.config.task, cell.config.length)] = RunDir(plan.out, cell.run_id).metrics()
+    rows = []
+    for cell in plan.cells:
+        run_dir = RunDir(plan.out, cell.run_id)
+        if cell.baseline or not run_dir.complete:
+            continue
+        m, c = run_dir.metrics(), cell.config
+        base = baselines.get((c.task, c.length))
+        rows.append({
+            "run_id": cell.run_id, "task": c.task, "length": c.length, "policy": c.policy, "budget": c.budget,
+            "budget_fraction": budget_fraction(c.budget, m), "score": m["score"],
+            "full_cache_score": base["score"] if base else None,
+            "relative_score": m["score"] / base["score"] if base and base["score"] else None,
+            "held_over_full": m["held_over_full"], "bytes_held": m["bytes_held"], "kept_tokens": m["kept_tokens"],
+            "prefill_tokens_per_s": m["prefill_tokens_per_s"], "decode_tokens_per_s": m["decode_tokens_per_s"],
+        })
+    return rows
