@@ -1,0 +1,77 @@
+"""scripts/parity_kvpress.py's pure parts: arguments, cells and the agreement table (no kvpress, no model)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "parity_kvpress.py"
+
+
+@pytest.fixture(scope="module")
+def parity():
+    spec = importlib.util.spec_from_file_location("parity_kvpress", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["parity_kvpress"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_defaults(parity):
+    args = parity.parse_args([])
+    assert args.samples == 20 and args.length == 2048 and args.keep == (0.5, 0.2)
+    assert args.presses == parity.DEFAULT_PRESSES and args.tools == ("kvpress", "evalkit")
+    assert Path(args.out).parts[-2:] == ("runs", "parity")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--keep", "0"], "--keep values must be in (0, 1)"),
+    (["--keep", "1"], "--keep values must be in (0, 1)"),
+    (["--keep", "0.5,x"], "fractions in (0, 1)"),
+    (["--keep", "0.5,0.5"], "given twice"),
+    (["--presses", "snapkv,nope"], "unknown press 'nope'"),
+    (["--tools", "vllm"], "--tools takes kvpress, evalkit or both"),
+    (["--samples", "0"], "integer >= 1"),
+    (["--threads", "two"], "integer >= 1"),
+    (["--venv", str(_PATH.parent / "kv")], "inside the repository"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(parity, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        parity.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_cells_and_ratios(parity):
+    cells = parity.cells(("none", "snapkv", "tova_head"), (0.5, 0.2))
+    # The full cache once, then every press at the first keep (whole rows early), then the next keep.
+    assert [c.key for c in cells] == ["none-keep1", "snapkv-keep0.5", "tova_head-keep0.5",
+                                      "snapkv-keep0.2", "tova_head-keep0.2"]
+    assert [c.ratio for c in cells] == [0.0, 0.5, 0.5, 0.8, 0.8]  # kvpress's compression_ratio = 1 - keep
+    assert [c.budget for c in cells] == ["1.0", "0.5", "0.5", "0.2", "0.2"]
+    # The unmatched row is compared with kvpress's TOVA answers.
+    assert cells[2].kvpress_key == "tova-keep0.5" and not cells[2].press.matched
+
+
+def test_agreement_counts_pass_fail_per_sample(parity):
+    kvpress = {"a": 1.0, "b": 0.0, "c": 1.0, "d": 0.5}
+    evalkit = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0, "e": 1.0}  # e: not in kvpress, left out
+    row = parity.agreement_row(kvpress, evalkit)
+    assert row["samples"] == 4 and row["agree"] == 3 and row["agree_pct"] == 75.0
+    assert row["disagree_ids"] == ["b"]  # 0.5 and 0.0 both fail
+    assert row["kvpress_score"] == pytest.approx(62.5) and row["evalkit_score"] == pytest.approx(75.0)
+    assert parity.agreement_row({}, evalkit)["agree_pct"] is None
+
+
+def test_table_formats(parity):
+    row = {"press": "tova_head", "keep": 0.2, "kvpress": "TOVAPress", "evalkit": "tova_head --budget 0.2",
+           "matched": False, "samples": 20, "agree": 12, "agree_pct": 60.0, "kvpress_score": 40.0,
+           "evalkit_score": 0.0, "same_answer": 9, "kvpress_seconds": 7.123, "evalkit_seconds": None}
+    text = parity.format_text([row])
+    assert "tova_head (unmatched)" in text and "12/20" in text and "9/20" in text and "7.12" in text
+    assert text.splitlines()[1].rstrip().endswith("—")  # no evalkit timing
+    markdown = parity.format_markdown([row]).splitlines()
+    assert markdown[0].startswith("| press | keep |") and markdown[1].startswith("|---|")
+    assert markdown[2].count("|") == markdown[0].count("|")
