@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch threads for both tools (default 1: on a shared machine 1 thread is faster)")
     parser.add_argument("--rerun-evalkit", action="store_true",
-                        help="run evalkit cells again even when a finished run is stored")
+                        help="run evalkit cells again even when a finished run is stored (the old one is "
+                             "renamed <cell>.replaced-<time>)")
     parser.add_argument("--setup-only", action="store_true", help="build the kvpress virtualenv and stop")
     return parser
 
@@ -550,8 +551,11 @@ def run_evalkit(command: list[str], cell: Cell, data: Path, out: Path, length: i
                 model: str, rerun: bool, threads: int) -> str | None:
     """Runs one cell unless finished; returns why it failed, or None."""
     folder = evalkit_dir(out, data.stem, cell)
-    if finished_run(folder) and not rerun:
-        return None
+    if finished_run(folder):
+        if not rerun:
+            return None
+        # evalkit would return its finished run of the same settings as it is: set it aside.
+        folder.rename(folder.with_name(f"{folder.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
     argv = command + ["run", "--task", f"jsonl:{data}", "--format", "kvpress", "--query-agnostic",
                       "--no-decode-eviction", "--model", model, "--policy", cell.press.policy,
                       "--budget", cell.budget, "--length", str(length), "--seed", str(seed),
@@ -629,8 +633,9 @@ def write_outputs(out: Path, data: Path, rows: list[dict], meta: dict) -> tuple[
     json_path.write_text(json.dumps({**meta, "rows": rows}, indent=1, sort_keys=True) + "\n")
     lines = [f"# kvpress parity: {data.stem}", "",
              f"kvpress {meta['versions']['kvpress']} (transformers {meta['versions']['kvpress_transformers']}, "
-             f"torch {meta['versions']['kvpress_torch']}) vs evalkit at {meta['commit']} (transformers "
-             f"{meta['versions']['evalkit_transformers']}, torch {meta['versions']['evalkit_torch']}); "
+             f"torch {meta['versions']['kvpress_torch']}) vs evalkit (transformers "
+             f"{meta['versions']['evalkit_transformers']}, torch {meta['versions']['evalkit_torch']}; {meta['commit']} when "
+             f"this invocation started, each row's own commit below); "
              f"{meta['samples']} samples; prompt tokens identical in both tools: {meta['tokens_identical']}.", "",
              format_markdown(rows), ""]
     notes = [f"- {r['press']} keep {r['keep']:g}: {r['note']}" for r in rows if r["note"]]

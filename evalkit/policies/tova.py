@@ -17,7 +17,8 @@ class TOVA(Policy):
     """
 
     granularity: str = "token"
-    description = "attention of the latest query, averaged over all heads (one set per layer); one eviction per step"
+    description = ("attention of the latest query, averaged over the query heads that share the set "
+                   "(at token granularity all heads: one set per layer); one eviction per step")
     scorer = "last-query attention"
     paper = "Transformers are Multi-State RNNs (TOVA, arXiv:2401.06104)"
     collect_prefill = collect_decode = "window"
