@@ -129,12 +129,12 @@ class RunConfig:
                 raise EvalkitError(f"unknown task {self.task!r}; for your data file use --task jsonl:{self.task}")
             self.task = TASKS.canonical(self.task)
         self.budget = parse_budget(self.budget)
-        _choice("granularity", self.granularity, GRANULARITIES, optional=True)
-        _choice("layout", self.layout, LAYOUTS)
-        _choice("prefill", self.prefill, ("full", "chunked"))
-        _choice("wandb", self.wandb, WANDB_MODES)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("kernels", self.kernels, KERNEL_MODES)
+        choice("granularity", self.granularity, GRANULARITIES, optional=True)
+        choice("layout", self.layout, LAYOUTS)
+        choice("prefill", self.prefill, ("full", "chunked"))
+        choice("wandb", self.wandb, WANDB_MODES)
+        choice("dtype", self.dtype, DTYPES)
+        choice("kernels", self.kernels, KERNEL_MODES)
         for name in ("block_size", "chunk_size", "samples", "length", "batch_size"):
             if getattr(self, name) < 1:
                 raise EvalkitError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -207,7 +207,8 @@ class RunConfig:
         return asdict(self)
 
 
-def _choice(name: str, value, allowed, optional: bool = False) -> None:
+def choice(name: str, value, allowed, optional: bool = False) -> None:
+    """One line naming the allowed values when `value` is not one of them."""
     if value is None and optional:
         return
     if value not in allowed:

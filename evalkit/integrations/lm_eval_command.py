@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from evalkit.config import WANDB_MODES
+from evalkit.config import WANDB_MODES, choice
 from evalkit.errors import EvalkitError
 from evalkit.integrations import lm_eval as _model  # noqa: F401  (importing it registers --model evalkit)
-from evalkit.integrations.lm_eval_options import MODEL_NAME, RESULTS_KEY, choice, lm_eval_argv, take_option
+from evalkit.integrations.lm_eval_options import MODEL_NAME, RESULTS_KEY, lm_eval_argv, take_option
 from evalkit.integrations.wandb import decide_wandb_mode, log_run
 from evalkit.results import RunDir, check_writable_folder, package_versions, write_json_atomic
 

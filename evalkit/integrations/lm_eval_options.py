@@ -16,7 +16,7 @@ import torch
 from evalkit import models
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
-from evalkit.config import DTYPES, SEED_LIMIT, parse_budget
+from evalkit.config import DTYPES, SEED_LIMIT, choice, parse_budget
 from evalkit.errors import EvalkitError
 from evalkit.kernels import KERNEL_MODES
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
@@ -105,13 +105,6 @@ class AdapterConfig:
             if isinstance(value, str) and value != DEFAULT_MODEL:
                 models.model_source(value)  # a missing local folder is refused here, not after loading
         return self
-
-
-def choice(name: str, value, allowed, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if value not in allowed:
-        raise EvalkitError(f"unknown {name} {value!r}; choose from {', '.join(allowed)}")
 
 
 def policy_args_from_model_arg(value) -> dict[str, str]:

@@ -102,7 +102,7 @@ class Policy:
         """Refuse a budget below one page at a page granularity (it could keep no whole page)."""
         if self.granularity not in PAGE_GRANULARITIES or not self.evicts:
             return
-        tokens = int(budget) if budget > 1 else math.ceil(round(budget * length, 9))
+        tokens = int(resolve_budget(budget, torch.tensor([length]))[0])
         if tokens < min(block_size, length):
             raise EvalkitError(
                 f"budget {budget} keeps {tokens} tokens per head of {length}, less than one page: at granularity "

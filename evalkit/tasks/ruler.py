@@ -2,15 +2,7 @@
 (NVIDIA/RULER scripts/data/synthetic/): needles in `ruler_niah`, vt/cwe/fwe in `ruler_synthetic`,
 qa_1/qa_2 in `ruler_qa`.
 
-- `ruler:vt`: variable tracking (variable_tracking.py). Chains "VAR A = 12345",
-  "VAR B = VAR A ", ... hide among noise lines; the answer is every variable
-  of the first chain. A one-shot example (a smaller instance, fitted to 500
-  tokens, with its answer) comes first.
-- `ruler:cwe`: common words extraction (common_words_extraction.py). A
-  numbered list of words in which ten appear more often; one worked example first.
-- `ruler:fwe`: frequent words extraction (freq_words_extraction.py). Coded
-  six-letter words with Zipf-distributed counts (alpha 2); the answer is the
-  three most frequent after the top one, which is shown as "...".
+- `ruler:vt`, `ruler:cwe`, `ruler:fwe`: described in `evalkit.tasks.ruler_synthetic`.
 - `ruler:qa_1` (SQuAD v2 dev) and `ruler:qa_2` (HotpotQA dev, distractor
   setting) (qa.py): the paragraphs holding the answer among distractor paragraphs.
 
