@@ -10,7 +10,7 @@ caching, so slot order does not matter.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -39,6 +39,16 @@ class ForwardPlan:
     attended: torch.Tensor | None = None  # [B] slots read, summed over layers (when filtered)
     available: torch.Tensor | None = None  # [B] live slots, summed over layers (when filtered)
     kernels: str = "auto"  # see evalkit.kernels.use_triton
+    record: "PromptRecord | None" = None  # a shared prefill: keep each layer's K/V and statistics, no storage
+
+
+@dataclass
+class PromptRecord:
+    """What a prompt's forward leaves behind when it is shared by many cells (`generate.SharedPrefill`):
+    per layer the K/V the storage would have appended and every statistic in `statistics`."""
+
+    statistics: list[tuple[str, int]]  # (collect, window) pairs, e.g. ("attention", 0), ("window", 32)
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor, dict]] = field(default_factory=dict)
 
 
 def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0):
@@ -102,6 +112,70 @@ def window_queries(q_pos, q_valid, window):
     return q_valid & (q_pos > last - window)
 
 
+def statistic_queries(collect: str, window: int, q_pos, q_valid) -> torch.Tensor:
+    """[B, T] bool: the queries whose probabilities make up statistic `collect`."""
+    return q_valid if collect == "attention" else window_queries(q_pos, q_valid, window)
+
+
+def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, counted=()):
+    """A layer's first tokens attending to themselves (a fresh prefill), straight from the forward's K/V.
+
+    q: [B, H_q, T, D]; k, v: [B, H_kv, T, D], the new tokens in order, padding on the left (q_valid).
+    Returns out [B, T, H_q, D] and, for every [B, T] bool mask in `counted`, the statistic
+    [B, H_kv, T] float32 of `attention_statistics`. The output never depends on which statistics are
+    asked for, nor on the storage, so a prefill shared by many cells equals each cell's own.
+    """
+    B, H_kv, T = k.shape[0], k.shape[1], k.shape[2]
+    k_pos = q_pos.masked_fill(~q_valid, -1)[:, None, :].expand(B, H_kv, T)
+    if _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        out = out.transpose(1, 2)
+    else:
+        out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
+    return out, attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window, counted, keys_in_order=True)
+
+
+def attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window=None, counted=(), keys_in_order=False):
+    """For each [B, T] bool mask in `counted`: each slot's probability summed over the mask's queries and
+    averaged over the G query heads of its KV head, [B, H_kv, N] float32 (H2O's column sums, SnapKV's window).
+
+    A second pass beside the attention output, in query blocks of O(block * N) memory; a block none of
+    the masks counts is skipped, and with `keys_in_order` (slot i holds the i-th new token) a block's
+    queries read only the keys up to their own, the causal half. Block edges are fixed by the shapes
+    alone, so a statistic comes out the same whichever others are asked for with it.
+    """
+    B, H_q, T, D = q.shape
+    H_kv, N = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    stats = [torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) for _ in counted]
+    if not counted:
+        return stats
+    rows = torch.stack(list(counted)).any(0).any(0).tolist()  # [T]: counted by some mask, in some row
+    q = q.reshape(B, H_kv, G, T, D)
+    block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
+    for start in range(0, T, block):
+        stop = min(T, start + block)
+        if not any(rows[start:stop]):
+            continue
+        t, n = stop - start, (stop if keys_in_order else N)
+        qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
+        kp = k_pos[:, :, None, None, :n]  # [B, H_kv, 1, 1, n]
+        allowed = (kp >= 0) & (kp <= qp)
+        if sliding_window:
+            allowed &= kp > qp - sliding_window
+        allowed |= ~allowed.any(-1, keepdim=True)  # a padding query sees nothing: let it see all, not NaN
+        scores = torch.matmul(q[:, :, :, start:stop].reshape(B, H_kv, G * t, D), k[:, :, :n].transpose(-1, -2))
+        scores = scores.view(B, H_kv, G, t, n).mul_(scaling).masked_fill_(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [B, H_kv, G, t, n]
+        for total, mask in zip(stats, counted):
+            rows_here = mask[:, start:stop]  # [B, t]
+            if bool(rows_here.all()):
+                total[..., :n] += probs.sum(dim=3).mean(dim=2)
+            elif bool(rows_here.any()):
+                total[..., :n] += (probs * rows_here[:, None, None, :, None]).sum(dim=3).mean(dim=2)
+    return stats
+
+
 def _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window) -> bool:
     """True when the slots are exactly the new tokens, at consecutive positions, in order: then the
     causal mask by index that SDPA's `is_causal` applies is the mask by position."""
@@ -117,8 +191,12 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     if evalkit_plan is None:
         raise RuntimeError("the evalkit attention runs only inside evalkit's generation loop")
     plan = evalkit_plan
-    layer = plan.cache.layers[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if plan.record is not None:
+        return _recorded_prompt_attention(module.layer_idx, query, key, value, plan, scaling, sliding_window), None
+    layer = plan.cache.layers[module.layer_idx]
+    if query.shape[2] > 1 and not bool(layer.live_counts().any()):
+        return _prompt_attention(layer, query, key, value, plan, scaling, sliding_window), None
     if plan.attend_filter is None and use_triton(plan.kernels, query):
         return _kernel_attention(layer, query, key, value, plan, scaling, sliding_window), None
     layer.append(key, value, plan.positions, plan.valid)
@@ -131,11 +209,37 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
         plan.available += (view.pos >= 0).sum((1, 2)).cpu()
     out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, visible,
                                      scaling, sliding_window, plan.collect, plan.window)
-    if plan.collect == "attention":
-        layer.add_stats(view.index, stats)
-    elif plan.collect == "window":
-        layer.set_stats(view.index, stats, rows=plan.valid.any(1))
+    if plan.collect is not None:
+        store_statistic(layer, view.index, plan.collect, stats, plan.valid)
     return out, None
+
+
+def _prompt_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
+    """A layer that holds nothing yet: the prompt attends to itself from the forward's own K/V (on every
+    device: SDPA, then the statistic in a second pass), and is then stored."""
+    wanted = [statistic_queries(plan.collect, plan.window, plan.positions, plan.valid)] if plan.collect else []
+    out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted)
+    slots = layer.append(key, value, plan.positions, plan.valid)
+    if plan.collect is not None:
+        store_statistic(layer, slots, plan.collect, stats[0], plan.valid)
+    return out
+
+
+def _recorded_prompt_attention(layer_idx, query, key, value, plan: ForwardPlan, scaling, sliding_window):
+    """A shared prefill: the same computation as `_prompt_attention`, every statistic asked for, kept in the record."""
+    record = plan.record
+    wanted = [statistic_queries(collect, window, plan.positions, plan.valid) for collect, window in record.statistics]
+    out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted)
+    record.layers[layer_idx] = (key, value, dict(zip(record.statistics, stats)))
+    return out
+
+
+def store_statistic(layer, slots, collect: str, stats, valid) -> None:
+    """Hand a statistic over `slots` [B, H_kv, N] to the storage: H2O's sums accumulate, a window replaces."""
+    if collect == "attention":
+        layer.add_stats(slots, stats)
+    else:
+        layer.set_stats(slots, stats, rows=valid.any(1))
 
 
 def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
@@ -143,24 +247,16 @@ def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
     from evalkit.kernels.attention_stats import attention_stats
     from evalkit.kernels.paged_attention import paged_attention
 
-    fresh = query.shape[2] > 1 and plan.collect is None and not bool(layer.live_counts().any())
     layer.append(key, value, plan.positions, plan.valid)
-    if fresh and _is_fresh_causal(plan.positions, plan.valid, plan.positions[:, None, :], sliding_window):
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2)
     table, block_size, head_tokens = layer.page_table()
     window = sliding_window or 0
     out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, table, head_tokens,
                                block_size, scaling, window)
     if plan.collect:
-        counted = plan.valid if plan.collect == "attention" else window_queries(plan.positions, plan.valid,
-                                                                                 plan.window)
+        counted = statistic_queries(plan.collect, plan.window, plan.positions, plan.valid)
         stats = attention_stats(query, plan.positions, counted, layer.k, layer.pos, table, head_tokens,
                                 block_size, scaling, lse, window)
-        if plan.collect == "attention":
-            layer.add_stats(layer.slot_index(), stats)
-        else:
-            layer.set_stats(layer.slot_index(), stats, rows=plan.valid.any(1))
+        store_statistic(layer, layer.slot_index(), plan.collect, stats, plan.valid)
     return out
 
 

@@ -59,11 +59,14 @@ def run(
     wandb: str = typer.Option("auto", help="auto (online only with credentials), off, offline, online."),
     kernels: str = typer.Option("auto", help="Attention: auto (Triton kernels on CUDA, torch elsewhere), "
                                              "triton (forced; on a CPU needs TRITON_INTERPRET=1), torch."),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline",
+                                  help="Also run the full cache on the same samples (from the same prefill, "
+                                       "stored as the `full` run and reused), unless one is already stored."),
 ):
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
     from evalkit.config import RunConfig, parse_policy_args, parse_task_args
     from evalkit.integrations import wandb as wandb_mirror
-    from evalkit.runner import run as run_eval
+    from evalkit.runner import run_many
     from evalkit.tasks.custom import is_data_task
 
     if samples is not None and is_data_task(task):
@@ -77,8 +80,18 @@ def run(
                        temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
                        dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
                        data_format=data_format, metric=metric, limit=limit, offset=offset)
-    result = run_eval(config, err, mirror=wandb_mirror)
+    configs = [config]
+    if baseline and not _has_baseline(config):
+        configs.append(config.full_cache())
+    result = run_many(configs, err, mirror=wandb_mirror)[0]
     _print_result(result)
+
+
+def _has_baseline(config) -> bool:
+    from evalkit.runner import find_baseline
+
+    config.validate()
+    return config.policy == "full" or find_baseline(config) is not None
 
 
 def _print_result(result) -> None:

@@ -7,7 +7,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -191,6 +191,10 @@ class RunConfig:
                 raise EvalkitError(f"--{option} is for data tasks (jsonl:PATH, hf:NAME[:CONFIG]:SPLIT), "
                                    f"not {self.task}")
         self.data_sha256 = self.question_split = None
+
+    def full_cache(self) -> "RunConfig":
+        """This run's full-cache baseline: policy `full` at budget 1, on the same samples and settings."""
+        return replace(self, policy="full", budget=1.0, granularity=None, policy_args={})
 
     def identity(self) -> dict:
         left_out = self._NOT_IN_ID + (() if is_data_task(self.task) else self._DATA_FIELDS)

@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from evalkit.attention import ForwardPlan, evalkit_attention
+from evalkit.attention import ForwardPlan, PromptRecord, evalkit_attention, store_statistic
 from evalkit.cache import KVCache, model_kv_shape
-from evalkit.policies import PAGE_GRANULARITIES, Policy, ScoreInput, resolve_budget
+from evalkit.policies import PAGE_GRANULARITIES, Policy, ScoreInput, make_policy, resolve_budget
 
 NO_LIMIT = 1 << 40
 
@@ -77,6 +77,7 @@ class _State:
     attend_filter: Callable | None = None  # decode-time read restriction (Quest)
     attended: torch.Tensor | None = None  # [B] slots read while decoding, all layers
     available: torch.Tensor | None = None  # [B] live slots while decoding, all layers
+    record: PromptRecord | None = None  # a shared prefill's forward: no storage, everything recorded
 
 
 def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,17 +87,10 @@ def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) ->
     model's device (they can be large); row b's new tokens are its last counts[b] columns.
     """
     device = state.model.device
-    width = max(len(t) for t in tokens)
-    ids = torch.zeros(len(tokens), width, dtype=torch.long)
-    valid = torch.zeros(len(tokens), width, dtype=torch.bool)
-    for b, row in enumerate(tokens):
-        if row:
-            ids[b, width - len(row):] = torch.tensor(row)
-            valid[b, width - len(row):] = True
-    positions = (state.seen[:, None] + valid.cumsum(1) - 1).masked_fill(~valid, 0)
+    ids, valid, positions = _left_padded(tokens, state.seen)
     plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
                        state.policy.observation_window, state.attend_filter, state.attended, state.available,
-                       state.settings.kernels)
+                       state.settings.kernels, state.record)
     out = state.model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
                       logits_to_keep=0 if all_logits else 1, evalkit_plan=plan)
     counts = valid.sum(1)
@@ -108,6 +102,79 @@ def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) ->
     if all_logits:
         return out.logits.float(), counts
     return out.logits[:, -1].float().cpu(), counts
+
+
+def _left_padded(tokens: list[list[int]], seen: torch.Tensor):
+    """ids [B, T], valid [B, T] and true positions [B, T] of rows of new tokens, padded on the left."""
+    width = max(len(t) for t in tokens)
+    ids = torch.zeros(len(tokens), width, dtype=torch.long)
+    valid = torch.zeros(len(tokens), width, dtype=torch.bool)
+    for b, row in enumerate(tokens):
+        if row:
+            ids[b, width - len(row):] = torch.tensor(row)
+            valid[b, width - len(row):] = True
+    positions = (seen[:, None] + valid.cumsum(1) - 1).masked_fill(~valid, 0)
+    return ids, valid, positions
+
+
+def statistic_key(policy: Policy, collect: str | None) -> tuple[str, int] | None:
+    """How a shared prefill names the statistic `collect` of `policy`: (collect, its window or 0)."""
+    if collect is None:
+        return None
+    return collect, policy.observation_window if collect == "window" else 0
+
+
+@dataclass
+class SharedPrefill:
+    """One full prefill of a batch's compressed prompts, forked into any number of (policy, budget) cells.
+
+    In full-prefill mode the prompt's forward pass does not depend on the policy (a layer's first
+    tokens attend to themselves the same way whatever the storage or statistic: evalkit.attention.
+    prompt_attention), so `share_prefill` runs it once, recording each layer's K/V and every statistic
+    the cells need, and `generate(..., shared=)` stores them in the cell's own cache exactly as its own
+    forward would have, then compresses, appends the question and decodes as an independent run does.
+    """
+
+    compressed: list[list[int]]  # the prompts prefilled, as `_split_prompts` gives them
+    record: PromptRecord
+    logits: torch.Tensor  # [B, V] float32 after each prompt's last token
+    seconds: float
+
+    def fork_into(self, state: _State) -> torch.Tensor:
+        """Store the prefill in `state`'s empty cache with the statistic `state.collect`; the last logits."""
+        key = statistic_key(state.policy, state.collect)
+        if key is not None and key not in self.record.statistics:
+            raise ValueError(f"the shared prefill recorded {self.record.statistics}, not {key}")
+        _, valid, positions = _left_padded(self.compressed, state.seen)
+        device = state.model.device
+        valid, positions = valid.to(device), positions.to(device)
+        for layer_idx, layer in enumerate(state.cache.layers):
+            k, v, stats = self.record.layers[layer_idx]
+            slots = layer.append(k, v, positions, valid)
+            if key is not None:
+                store_statistic(layer, slots, state.collect, stats[key], valid)
+        counts = valid.sum(1).cpu()
+        state.seen += counts
+        if state.collect is not None:
+            state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
+        if state.observe:
+            state.observe("forward", state.cache)
+        return self.logits.clone()
+
+
+@torch.inference_mode()
+def share_prefill(model, requests: list[Request], query_aware: bool,
+                  statistics: set[tuple[str, int]]) -> SharedPrefill:
+    """The full prefill of `requests`' compressed prompts, once, with every statistic in `statistics`."""
+    compressed, _ = _split_prompts(requests, query_aware)
+    settings = GenerationSettings(policy=make_policy("full"))
+    start = torch.zeros(len(requests), dtype=torch.long)
+    state = _State(model, None, settings.policy, settings, start, start.clone(),
+                   record=PromptRecord(sorted(statistics)))
+    began = time.perf_counter()
+    with evalkit_attention(model):
+        logits, _ = forward(state, compressed)
+    return SharedPrefill(compressed, state.record, logits, time.perf_counter() - began)
 
 
 def compress(state: _State, budgets: torch.Tensor) -> None:
@@ -132,17 +199,22 @@ def compress(state: _State, budgets: torch.Tensor) -> None:
 
 
 def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor,
-            appended_collect: str | None):
-    """Prefill `compressed` (in chunks when chunked), compressing to `budget` [L, B]; then `appended` as is,
-    collecting `appended_collect` for it (the question after compression is read like decoded tokens)."""
+            appended_collect: str | None, shared: "SharedPrefill | None" = None):
+    """Prefill `compressed` (in chunks when chunked; taken from `shared` when given), compressing to
+    `budget` [L, B]; then `appended` as is, collecting `appended_collect` for it (the question after
+    compression is read like decoded tokens)."""
     settings = state.settings
     longest = max(len(t) for t in compressed)
     chunk = settings.chunk_size if settings.prefill == "chunked" else longest
-    logits = None
-    for start in range(0, longest, chunk):
-        step_logits, counts = forward(state, [t[start:start + chunk] for t in compressed])
-        logits = step_logits if logits is None else torch.where(counts[:, None] > 0, step_logits, logits)
+    if shared is not None:
+        logits = shared.fork_into(state)
         compress(state, budget)
+    else:
+        logits = None
+        for start in range(0, longest, chunk):
+            step_logits, counts = forward(state, [t[start:start + chunk] for t in compressed])
+            logits = step_logits if logits is None else torch.where(counts[:, None] > 0, step_logits, logits)
+            compress(state, budget)
     if any(appended):
         state.collect = appended_collect
         step_logits, counts = forward(state, appended)
@@ -199,10 +271,13 @@ def decode(state: _State, logits: torch.Tensor, requests: list[Request], tokeniz
 
 @torch.inference_mode()
 def generate(model, tokenizer, requests: list[Request], settings: GenerationSettings,
-             observe: Observer | None = None) -> list[Generation]:
-    """Generate answers for a batch of requests under one policy and budget."""
+             observe: Observer | None = None, shared: SharedPrefill | None = None) -> list[Generation]:
+    """Generate answers for a batch of requests under one policy and budget; with `shared`, from a
+    prefill of the same requests shared with other cells (full prefill only)."""
     policy = settings.policy
     compressed, appended = _split_prompts(requests, settings.query_aware)
+    if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
+        raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
     lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
@@ -215,8 +290,8 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
         decode_evicts = bool(evicting.any()) and settings.decode_eviction
         decode_collect = policy.collect_decode if decode_evicts else None
         state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        logits = prefill(state, compressed, appended, budgets, decode_collect)
-        prefill_seconds = time.perf_counter() - start
+        logits = prefill(state, compressed, appended, budgets, decode_collect, shared)
+        prefill_seconds = time.perf_counter() - start + (shared.seconds if shared is not None else 0.0)
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
 

@@ -12,9 +12,10 @@ grid's heatmap) writes its files into the run folder when the run finishes.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
@@ -24,7 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate, score_rolling
+from evalkit.generate import (GenerationSettings, Request, SharedPrefill, generate, score_rolling, share_prefill,
+                              statistic_key)
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
@@ -62,18 +64,51 @@ def run(config: RunConfig, console: Console | None = None, wandb_mode: str | Non
     here from `config.wandb`. `mirror`: the W&B mirror (`evalkit.integrations.wandb`, as `evalkit run`,
     `sweep` and `lm-eval` pass it); without one nothing is mirrored, and a W&B mode other than off or
     auto is refused."""
+    return run_many([config], console, wandb_mode, mirror)[0]
+
+
+def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mode: str | None = None,
+             mirror: Mirror | None = None) -> list[RunResult]:
+    """Several runs; those that differ only in what happens after a full prefill (policy, budget,
+    granularity, layout, ...) prefill each sample once and fork it (`generate.SharedPrefill`), the
+    rest run one after another. Each run's folder ends exactly as `run` alone would leave it."""
     console = console or Console(stderr=True)
-    config.validate()
-    run_dir = RunDir(config.out, config.run_id())
-    if run_dir.complete:
-        return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
-    check_writable_folder(config.out, "--out")
+    for config in configs:
+        config.validate()
     say = one_line(console)
-    mode = _wandb_mode(config, wandb_mode, mirror, say)
-    with run_dir.locked(lambda: say(f"waiting for another evalkit process working on {run_dir.path}")):
-        if run_dir.complete:  # finished by the process we waited for
-            return RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), _baseline(config), -1)
-        return _run_locked(config, run_dir, mode, mirror, console)
+    results: dict[str, RunResult] = {}
+    todo: dict[str, RunConfig] = {}  # by run id: a run asked for twice runs once
+    for config in configs:
+        run_dir = RunDir(config.out, config.run_id())
+        if run_dir.complete:
+            results[config.run_id()] = RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), None, -1)
+        else:
+            check_writable_folder(config.out, "--out")
+            todo.setdefault(config.run_id(), config)
+    if todo:
+        mode = _wandb_mode(next(iter(todo.values())), wandb_mode, mirror, say)
+        groups: dict[tuple, list[RunConfig]] = {}
+        for run_id, config in todo.items():
+            groups.setdefault(prefill_key(config) or (run_id,), []).append(config)
+        for group in groups.values():
+            for config, result in zip(group, _run_group(group, mode, mirror, console)):
+                results[config.run_id()] = result
+    # Baselines looked up last: a run's full-cache baseline may be one of the runs just made.
+    return [replace(results[config.run_id()], baseline=find_baseline(config)) for config in configs]
+
+
+# Settings that only act after a full prefill: runs differing in nothing else share it.
+_AFTER_PREFILL = ("policy", "budget", "granularity", "policy_args", "layout", "block_size", "pool_pages",
+                  "decode_eviction", "temperature", "out", "wandb")
+
+
+def prefill_key(config: RunConfig) -> tuple | None:
+    """What a run's prefill depends on, or None when it cannot be shared (chunked prefill streams
+    through the policy's cache; perplexity is scored in chunks)."""
+    if config.prefill != "full" or config.task == Perplexity.name:
+        return None
+    fields = config.to_dict()
+    return tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in _AFTER_PREFILL))
 
 
 def _wandb_mode(config: RunConfig, decided: str | None, mirror: Mirror | None, say: Callable[[str], None]) -> str:
@@ -86,63 +121,112 @@ def _wandb_mode(config: RunConfig, decided: str | None, mirror: Mirror | None, s
     return decided or mirror.decide_wandb_mode(config.wandb, lambda line: say(f"note: {line}"))
 
 
-def _run_locked(config: RunConfig, run_dir: RunDir, mode: str, mirror: Mirror | None,
-                console: Console) -> RunResult:
-    dropped = run_dir.repair()
-    if dropped:
-        one_line(console)(f"note: {run_dir.predictions_path} held {dropped} repeated sample lines: kept the "
-                          "first of each")
-    task = make_task(config)
-    policy = make_policy(config.policy, config.granularity, config.policy_args)
-    torch.manual_seed(config.seed)
-    with console.status(f"loading {config.model}"):
-        model, tokenizer = load_model(config.model, config.dtype, config.device)
-    settings = GenerationSettings(
-        policy=policy, budget=config.budget, layout=config.layout, block_size=config.block_size,
-        prefill=config.prefill, chunk_size=config.chunk_size, query_aware=config.query_aware,
-        decode_eviction=config.decode_eviction, temperature=config.temperature, seed=config.seed,
-        pool_pages=config.pool_pages, kernels=config.kernels,
-    )
-    with console.status(f"building {config.samples} samples of {config.length} tokens"):
+@dataclass
+class _Cell:
+    """One run of a group: its folder, its generation settings and what it has recorded so far."""
+
+    config: RunConfig
+    run_dir: RunDir
+    settings: GenerationSettings
+    provenance: dict
+    records: list[dict]
+
+    @property
+    def done(self) -> set:
+        return {record["id"] for record in self.records}
+
+
+def _run_group(configs: list[RunConfig], mode: str, mirror: Mirror | None, console: Console) -> list[RunResult]:
+    """Runs of the same samples under one model, each folder locked (one process per folder); with more
+    than one, the prefill of each batch is shared."""
+    say = one_line(console)
+    run_dirs = [RunDir(c.out, c.run_id()) for c in configs]
+    with contextlib.ExitStack() as locks:
+        for run_dir in sorted(run_dirs, key=lambda d: str(d.path)):  # one order for every process: no deadlock
+            locks.enter_context(run_dir.locked(lambda path=run_dir.path: say(
+                f"waiting for another evalkit process working on {path}")))
+        pending = [(c, d) for c, d in zip(configs, run_dirs) if not d.complete]  # finished while we waited?
+        resumed = dict(zip([c.run_id() for c, _ in pending], _run_locked(pending, mode, mirror, console))) \
+            if pending else {}
+        return [RunResult(c.run_id(), str(d.path), d.metrics(), None, resumed.get(c.run_id(), -1))
+                for c, d in zip(configs, run_dirs)]
+
+
+def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirror | None,
+                console: Console) -> list[int]:
+    """Runs the pending cells to completion; returns how many samples each had recorded before."""
+    say = one_line(console)
+    for _, run_dir in pending:
+        dropped = run_dir.repair()
+        if dropped:
+            say(f"note: {run_dir.predictions_path} held {dropped} repeated sample lines: kept the first of each")
+    first = pending[0][0]
+    task = make_task(first)
+    torch.manual_seed(first.seed)
+    with console.status(f"loading {first.model}"):
+        model, tokenizer = load_model(first.model, first.dtype, first.device)
+    with console.status(f"building {first.samples} samples of {first.length} tokens"):
         if isinstance(task, Perplexity):
-            plan = _perplexity_plan(task, config, model, tokenizer, settings)
+            plan = _perplexity_plan(task, first, model, tokenizer)
         else:
-            plan = _generation_plan(task, config, model, tokenizer, settings)
+            plan = _generation_plan(task, first, model, tokenizer)
+    cells = []
+    for config, run_dir in pending:
+        settings = _settings(config)
+        cells.append(_Cell(config, run_dir, settings, _provenance(config, settings.policy, model),
+                           run_dir.predictions()))
 
-    provenance = _provenance(config, policy, model)
-    records = run_dir.predictions()
-    done = {record["id"] for record in records}
-    todo = [(s, inputs) for s, inputs in zip(plan.samples, plan.inputs) if s.id not in done]
-
+    resumed_from = [len(cell.done) for cell in cells]
+    total = len(plan.samples) * len(cells)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeRemainingColumn(), console=console, transient=True)
+    label = f"{first.policy} @ {first.budget}" if len(cells) == 1 else f"{len(cells)} runs, one prefill per sample"
     with progress:
-        bar = progress.add_task(f"{config.policy} @ {config.budget}", total=len(plan.samples), completed=len(done))
-        for start in range(0, len(todo), config.batch_size):
-            batch = todo[start:start + config.batch_size]
-            for record in plan.evaluate(batch):
-                if not run_dir.config_path.exists():
-                    # Created with the first finished sample: input refused by the first batch
-                    # (an exhausted page pool, say) leaves no run folder behind.
-                    run_dir.start(provenance)
-                run_dir.append(record)
-                records.append(record)
-            progress.advance(bar, len(batch))
+        bar = progress.add_task(label, total=total, completed=sum(len(c.done) for c in cells))
+        by_todo: dict[tuple, list[_Cell]] = {}  # cells that resumed at different points share only their common todo
+        for cell in cells:
+            by_todo.setdefault(tuple(s.id for s in plan.samples if s.id not in cell.done), []).append(cell)
+        for todo_ids, group in by_todo.items():
+            todo = [(s, inputs) for s, inputs in zip(plan.samples, plan.inputs) if s.id in set(todo_ids)]
+            batch_size = group[0].config.batch_size
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start:start + batch_size]
+                shared = plan.share(batch, [cell.settings for cell in group]) if len(group) > 1 else None
+                for cell in group:
+                    for record in plan.evaluate(batch, cell.settings, shared):
+                        if not cell.run_dir.config_path.exists():
+                            # Created with the first finished sample: input refused by the first batch
+                            # (an exhausted page pool, say) leaves no run folder behind.
+                            cell.run_dir.start(cell.provenance)
+                        cell.run_dir.append(record)
+                        cell.records.append(record)
+                    progress.advance(bar, len(batch))
 
     order = {sample.id: i for i, sample in enumerate(plan.samples)}
-    records.sort(key=lambda r: order.get(r["id"], len(order)))
-    metrics = plan.summarize(records)
-    if isinstance(task, WritesArtifacts):
-        # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
-        task.write_artifacts(records, run_dir.path, provenance["config"])
-    run_dir.finish(metrics)
-    if mode != "off" and mirror is not None:
-        trouble: list[str] = []
-        with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
-            mirror.log_run(mode, run_dir.path, config.run_id(), provenance, metrics, records, trouble.append)
-        for line in trouble:
-            one_line(console)(f"warning: {line}")
-    return RunResult(config.run_id(), str(run_dir.path), metrics, _baseline(config), len(done))
+    for cell in cells:
+        cell.records.sort(key=lambda r: order.get(r["id"], len(order)))
+        metrics = plan.summarize(cell.records)
+        if isinstance(task, WritesArtifacts):
+            # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
+            task.write_artifacts(cell.records, cell.run_dir.path, cell.provenance["config"])
+        cell.run_dir.finish(metrics)
+        if mode != "off" and mirror is not None:
+            trouble: list[str] = []
+            with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
+                mirror.log_run(mode, cell.run_dir.path, cell.config.run_id(), cell.provenance, metrics,
+                               cell.records, trouble.append)
+            for line in trouble:
+                say(f"warning: {line}")
+    return resumed_from
+
+
+def _settings(config: RunConfig) -> GenerationSettings:
+    return GenerationSettings(
+        policy=make_policy(config.policy, config.granularity, config.policy_args), budget=config.budget,
+        layout=config.layout, block_size=config.block_size, prefill=config.prefill, chunk_size=config.chunk_size,
+        query_aware=config.query_aware, decode_eviction=config.decode_eviction, temperature=config.temperature,
+        seed=config.seed, pool_pages=config.pool_pages, kernels=config.kernels,
+    )
 
 
 def one_line(console: Console) -> Callable[[str], None]:
@@ -159,15 +243,18 @@ class WritesArtifacts(Protocol):
 
 @dataclass
 class _Plan:
-    """What a run evaluates and how: the samples, each one's model input, a batch's records, the run's metrics."""
+    """What a run evaluates and how: the samples, each one's model input, a batch's records under some
+    settings (from a shared prefill, if given), the run's metrics; and how to share a batch's prefill."""
 
     samples: list[Sample]
     inputs: list
-    evaluate: Callable[[list[tuple[Sample, Any]]], list[dict]]
+    evaluate: Callable[[list[tuple[Sample, Any]], GenerationSettings, SharedPrefill | None], list[dict]]
     summarize: Callable[[list[dict]], dict]
+    share: Callable[[list[tuple[Sample, Any]], list[GenerationSettings]], SharedPrefill | None] = \
+        lambda batch, settings: None
 
 
-def _generation_plan(task: Task, config: RunConfig, model, tokenizer, settings: GenerationSettings) -> _Plan:
+def _generation_plan(task: Task, config: RunConfig, model, tokenizer) -> _Plan:
     """Prompts whose answers are generated and scored by the task."""
     samples = task.samples(prompt_length(tokenizer), config.length, config.samples, config.seed)
     encoded = [encode(tokenizer, sample) for sample in samples]
@@ -181,8 +268,14 @@ def _generation_plan(task: Task, config: RunConfig, model, tokenizer, settings: 
             raise EvalkitError(f"sample {sample.id} needs {needed} positions (prompt + answer) but "
                                f"{config.model} has {limit}: lower {lower}")
 
-    def evaluate(batch: list[tuple[Sample, tuple[list[int], list[int]]]]) -> list[dict]:
-        requests = [Request(c, q, s.max_new_tokens) for s, (c, q) in batch]
+    def requests(batch: list[tuple[Sample, tuple[list[int], list[int]]]]) -> list[Request]:
+        return [Request(c, q, s.max_new_tokens) for s, (c, q) in batch]
+
+    def share(batch, cells: list[GenerationSettings]) -> SharedPrefill:
+        statistics = {statistic_key(s.policy, s.policy.collect_prefill) for s in cells} - {None}
+        return share_prefill(model, requests(batch), cells[0].query_aware, statistics)
+
+    def evaluate(batch, settings: GenerationSettings, shared: SharedPrefill | None) -> list[dict]:
         return [{
             "id": sample.id, "prompt_tokens": gen.prompt_tokens, "prediction": gen.text,
             "references": sample.references, "score": task.score(gen.text, sample.references),
@@ -192,15 +285,15 @@ def _generation_plan(task: Task, config: RunConfig, model, tokenizer, settings: 
             "meta": sample.meta,
             # Batch-wide timings, divided evenly so sums over records stay right.
             **{key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
-        } for (sample, _), gen in zip(batch, generate(model, tokenizer, requests, settings))]
+        } for (sample, _), gen in zip(batch, generate(model, tokenizer, requests(batch), settings, shared=shared))]
 
     def summarize(records: list[dict]) -> dict:
         return {**aggregate(records), "metric": task.metric, "higher_is_better": True}
 
-    return _Plan(samples, encoded, evaluate, summarize)
+    return _Plan(samples, encoded, evaluate, summarize, share)
 
 
-def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer, settings: GenerationSettings) -> _Plan:
+def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer) -> _Plan:
     """Passages of `--length` tokens streamed in chunks; the loss of every token after the first chunk."""
     chunk = config.chunk_size
     if config.length <= chunk:
@@ -214,7 +307,7 @@ def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer, sett
             raise EvalkitError(f"passage {sample.id} has only {len(ids)} tokens, fewer than --length {config.length}")
         passages.append(ids)
 
-    def evaluate(batch: list[tuple[Sample, list[int]]]) -> list[dict]:
+    def evaluate(batch: list[tuple[Sample, list[int]]], settings: GenerationSettings, shared: None) -> list[dict]:
         start = time.perf_counter()
         scores = score_rolling(model, [ids for _, ids in batch], [len(ids) - chunk for _, ids in batch], settings)
         seconds = (time.perf_counter() - start) / len(batch)  # batch-wide, divided evenly
@@ -272,7 +365,7 @@ def _provenance(config: RunConfig, policy, model) -> dict:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def _baseline(config: RunConfig) -> dict | None:
+def find_baseline(config: RunConfig) -> dict | None:
     # Perplexity scores the tokens after the first chunk: only runs with the same chunk compare.
     keys = _BASELINE_KEYS + (("chunk_size",) if config.task == Perplexity.name else ())
     for stored, metrics in complete_runs(config.out):

@@ -325,7 +325,7 @@ def test_end_to_end_on_a_jsonl_file_with_sub_tasks(monkeypatch, capsys, tmp_path
     out = tmp_path / "agnostic"
     code, _, _ = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{path}", "--policy", "snapkv_head",
                          "--budget", "0.5", "--query-agnostic", "--offset", "1", "--limit", "2",
-                         "--out", str(out), "--wandb", "off")
+                         "--out", str(out), "--wandb", "off", "--no-baseline")
     assert code == 0
     _, records, metrics = read_run(out)
     assert [r["id"] for r in records] == ["code-b", "city-a"]

@@ -52,7 +52,7 @@ def closed_port() -> int:
 def run_args(model: Path, out: Path, *extra: str) -> list[str]:
     """A run of three short records (four new tokens each) on the tiny model: seconds, not minutes."""
     return ["run", "--model", str(model), "--task", f"jsonl:{model / 'data.jsonl'}", "--length", "300",
-            "--policy", "h2o_head", "--budget", "0.5", "--out", str(out), *extra]
+            "--policy", "h2o_head", "--budget", "0.5", "--out", str(out), "--no-baseline", *extra]
 
 
 def the_run(out: Path) -> Path:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from evalkit.sweep.engines import run_plan
-from evalkit.sweep.plan import Cell, Plan, make_plan, resolve_settings, sweep_rows
+from evalkit.sweep.plan import Cell, Plan, make_plan, prefill_notes, resolve_settings, sweep_rows
 
 
 def register(app: typer.Typer) -> None:
@@ -89,12 +89,13 @@ def _print_plan(plan: Plan, console) -> None:
     from rich.table import Table
 
     table = Table(title=f"{plan.sweep_id}: {len(plan.cells)} cells", title_justify="left")
-    for column in ("run id", "task", "length", "policy", "budget", "state"):
+    for column in ("run id", "task", "length", "policy", "budget", "prefill", "state"):
         table.add_column(column)
+    notes = prefill_notes(plan)
     for cell in plan.cells:
         c = cell.config
         table.add_row(cell.run_id, c.task, str(c.length), c.policy + (" (baseline)" if cell.baseline else ""),
-                      str(c.budget), _state(plan, cell))
+                      str(c.budget), notes[cell.run_id], _state(plan, cell))
     Console(file=console.file, width=max(console.width, 140)).print(table)  # run ids are long: never cut them
 
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from evalkit.integrations import wandb as wandb_mirror
-from evalkit.sweep.plan import Cell, Plan, cell_summary, sweep_rows
+from evalkit.sweep.plan import Cell, Plan, cell_summary, prefill_groups, sweep_rows
 
 # Environment a Ray worker needs to behave like this process (offline hub, W&B mode and group, caches).
 _WORKER_ENV_PREFIXES = ("HF_", "WANDB_", "EVALKIT_", "TRANSFORMERS_", "TRITON_")
@@ -42,7 +42,7 @@ def run_plan(plan: Plan, console) -> None:
         if plan.engine == "ray":
             _run_on_ray(plan, todo, console, progress, bar)
         else:
-            _run_local(todo, console, progress, bar)
+            _run_local(plan, todo, console, progress, bar)
     if mode != "off":
         trouble: list[str] = []
         with console.status("logging the sweep to W&B"):  # lines printed under a status can be lost: said after
@@ -66,13 +66,21 @@ def _wandb_group(group: str | None):
             os.environ["WANDB_RUN_GROUP"] = previous
 
 
-def _run_local(cells: list[Cell], console, progress, bar) -> None:
-    from evalkit.runner import run
+def _run_local(plan: Plan, cells: list[Cell], console, progress, bar) -> None:
+    """Cells that share a prefill run together (`runner.run_many`: one prefill per sample for all)."""
+    from evalkit.runner import run_many
 
-    for cell in cells:
-        progress.update(bar, description=cell.label())
-        run(cell.config, console, wandb_mode=cell.config.wandb, mirror=wandb_mirror)
-        progress.advance(bar)
+    todo = {cell.run_id for cell in cells}
+    for group in prefill_groups(plan):
+        group = [cell for cell in group if cell.run_id in todo]
+        if not group:
+            continue
+        first = group[0]
+        label = first.label() if len(group) == 1 else \
+            f"{first.config.task} @ {first.config.length}: {len(group)} cells, one prefill per sample"
+        progress.update(bar, description=label)
+        run_many([cell.config for cell in group], console, wandb_mode=first.config.wandb, mirror=wandb_mirror)
+        progress.advance(bar, len(group))
     progress.update(bar, description="")
 
 

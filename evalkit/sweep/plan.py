@@ -165,12 +165,12 @@ def make_plan(settings: dict) -> Plan:
         # --samples sizes registered tasks; --limit/--offset/--format/--metric select from data files.
         unused = _DATA_OPTIONS if not is_data_task(task) else ("samples",)
         for length in lengths:
-            grid = [("full", 1.0, True)] + [(p, b, False) for p in policies for b in budgets]
-            for policy, budget, is_baseline in grid:
-                fields_here = {k: v for k, v in base.items() if k not in unused}
-                if is_baseline:  # the full cache, as it is
-                    fields_here["granularity"], fields_here["policy_args"] = None, {}
-                config = RunConfig(**fields_here, policy=policy, budget=budget, task=task, length=length).validate()
+            fields_here = {k: v for k, v in base.items() if k not in unused}
+            baseline = RunConfig(**fields_here, task=task, length=length).full_cache()
+            grid = [RunConfig(**fields_here, policy=policy, budget=budget, task=task, length=length)
+                    for policy in policies for budget in budgets]
+            for config, is_baseline in [(baseline, True)] + [(c, False) for c in grid]:
+                config.validate()
                 cells.setdefault(config.run_id(), Cell(config, is_baseline))
     grid = [c.config for c in cells.values() if not c.baseline]
     resolved = {"policies": list(dict.fromkeys(c.policy for c in grid)), "budgets": budgets,  # canonical names
@@ -196,6 +196,35 @@ def _refuse_unused(base: dict, tasks: list[str]) -> None:
     if base.get("samples") is not None and all(is_data_task(t) for t in tasks):
         raise EvalkitError("--samples is not for data tasks: they run every record in "
                            "[--offset, --offset + --limit); use --limit N")
+
+
+def prefill_groups(plan: Plan) -> list[list[Cell]]:
+    """The cells that share one prefill per sample (same prompts, full prefill, local engine), in plan
+    order; a cell that cannot share (chunked prefill, perplexity, the Ray engine) is a group of its own."""
+    from evalkit.runner import prefill_key
+
+    groups: dict[tuple, list[Cell]] = {}
+    for cell in plan.cells:
+        key = prefill_key(cell.config) if plan.engine == "local" else None
+        groups.setdefault(key or (cell.run_id,), []).append(cell)
+    return list(groups.values())
+
+
+def prefill_notes(plan: Plan) -> dict[str, str]:
+    """How each cell's prompts are prefilled, by run id, for --dry-run."""
+    from evalkit.runner import prefill_key
+
+    notes = {}
+    for group in prefill_groups(plan):
+        for cell in group:
+            if plan.engine != "local":
+                notes[cell.run_id] = "own (one Ray task per cell)"
+            elif prefill_key(cell.config) is None:
+                notes[cell.run_id] = ("own (chunked prefill)" if cell.config.prefill == "chunked"
+                                      else "own (perplexity streams in chunks)")
+            else:
+                notes[cell.run_id] = f"shared by {len(group)} cells" if len(group) > 1 else "own (nothing to share)"
+    return notes
 
 
 # ---- what a sweep reports -----------------------------------------------------------------------------

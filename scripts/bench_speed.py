@@ -1,0 +1,222 @@
+"""The main job's speed, as ratios measured in one run (docs/benchmarks.md, "The main job's speed").
+
+    .venv/bin/python scripts/bench_speed.py [--lengths 2k,8k] [--samples 3] [--threads 0] [--out runs/speed]
+
+Four measurements, each against a baseline timed in the same run, interleaved (baseline, subject,
+baseline, ...; medians of --repeats after a warm-up):
+1. loop: evalkit `full` against HF `generate` (sdpa) on the default model, same prompt, 16 new tokens
+   (EOS off), seconds per prompt at each length;
+2. overhead: a 2-layer, 64-wide random Qwen2 (built from a config) on an 894-token prompt, where the
+   model costs almost nothing: evalkit's decode step (full cache; h2o_head @ 0.2 with and without
+   decode eviction) against HF generate's, from (time for 64 tokens - time for 1) / 63;
+3. statistics: the default model's prompt forward with H2O's column sums, SnapKV's window and both,
+   against the plain forward (`generate.share_prefill`, nothing else), at each length;
+4. sweep: 8 policies x 3 budgets (+ the full cache) on --samples samples of the default task, all
+   cells through one shared prefill per sample (`runner.run_many`) against the same cells one `run`
+   at a time, in this process; results compared line by line; then the peak RSS of each way in a
+   child process, against one full-cache run's.
+Writes <out>/speed.json and prints a table; --only picks measurements (loop,overhead,statistics,sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from evalkit.bench.command import parse_length
+from evalkit.bench.generations import bench_prompts, eos_disabled
+from evalkit.generate import GenerationSettings, Request, generate, share_prefill
+from evalkit.models import load_model
+from evalkit.policies import make_policy
+
+SWEEP_POLICIES = ["h2o_head", "h2o_page", "snapkv_head", "tova_token", "knorm_head", "streaming_llm",
+                  "pyramidkv_head", "h2o_head_page"]
+SWEEP_BUDGETS = [0.1, 0.2, 0.5]
+NEW_TOKENS = 16
+
+
+def interleaved(functions: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each function, called in turn `repeats` times after one warm-up round."""
+    for fn in functions.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, fn in functions.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def hf_generate(model, ids: list[int], new_tokens: int):
+    def call():
+        with torch.inference_mode():
+            model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return call
+
+
+def evalkit_generate(model, ids: list[int], new_tokens: int, policy="full", budget=1.0, decode_eviction=True):
+    settings = GenerationSettings(policy=make_policy(policy), budget=budget, decode_eviction=decode_eviction)
+    return lambda: generate(model, None, [Request(ids, [], new_tokens)], settings)
+
+
+def measure_loop(lengths: list[int], repeats: int) -> list[dict]:
+    model, tokenizer = load_model("smollm2-135m")
+    rows = []
+    with eos_disabled(model):
+        for length in lengths:
+            ids = bench_prompts(tokenizer, length - NEW_TOKENS, 1)[0].ids
+            t = interleaved({"hf": hf_generate(model, ids, NEW_TOKENS),
+                             "evalkit": evalkit_generate(model, ids, NEW_TOKENS)}, repeats)
+            rows.append({"measure": "loop", "length": length, "hf_seconds": t["hf"], "evalkit_seconds": t["evalkit"],
+                         "ratio": t["hf"] / t["evalkit"], "target": ">= 1.0 (evalkit full tokens/s over HF's)"})
+    return rows
+
+
+def tiny_qwen2():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         use_sliding_window=False)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def measure_overhead(repeats: int) -> list[dict]:
+    model = tiny_qwen2()
+    ids = torch.randint(0, 49152, (894,), generator=torch.Generator().manual_seed(0)).tolist()
+    long, short = 64, 1
+    functions = {"hf": hf_generate(model, ids, long), "hf_1": hf_generate(model, ids, short)}
+    cases = {"full cache": ("full", 1.0, True), "h2o_head @ 0.2, no decode eviction": ("h2o_head", 0.2, False),
+             "h2o_head @ 0.2, decode eviction": ("h2o_head", 0.2, True)}
+    for name, (policy, budget, evict) in cases.items():
+        functions[name] = evalkit_generate(model, ids, long, policy, budget, evict)
+        functions[name + " (1)"] = evalkit_generate(model, ids, short, policy, budget, evict)
+    with eos_disabled(model):
+        t = interleaved(functions, repeats)
+    hf_step = (t["hf"] - t["hf_1"]) / (long - short)
+    rows = []
+    for name in cases:
+        step = (t[name] - t[name + " (1)"]) / (long - short)
+        rows.append({"measure": "overhead", "case": name, "hf_step_ms": 1e3 * hf_step, "evalkit_step_ms": 1e3 * step,
+                     "ratio": step / hf_step,
+                     "target": "<= 1.5 (evalkit step over HF's)" if "decode eviction" == name[-15:]
+                     else "<= 1.2 (evalkit step over HF's)"})
+    return rows
+
+
+def measure_statistics(lengths: list[int], repeats: int) -> list[dict]:
+    model, tokenizer = load_model("smollm2-135m")
+    rows = []
+    for length in lengths:
+        request = [Request(bench_prompts(tokenizer, length, 1)[0].ids, [], 1)]
+        kinds = {"plain": set(), "h2o column sums": {("attention", 0)}, "snapkv window 32": {("window", 32)},
+                 "both": {("attention", 0), ("window", 32)}}
+        t = interleaved({name: (lambda s=s: share_prefill(model, request, True, s)) for name, s in kinds.items()},
+                        repeats)
+        for name in list(kinds)[1:]:
+            target = {"h2o column sums": "<= 1.2", "snapkv window 32": "<= 1.05"}.get(name, "")
+            rows.append({"measure": "statistics", "length": length, "case": name, "plain_seconds": t["plain"],
+                         "seconds": t[name], "ratio": t[name] / t["plain"],
+                         "target": f"{target} (over the plain prompt forward)" if target else ""})
+    return rows
+
+
+def sweep_configs(out: Path, samples: int):
+    from evalkit.config import RunConfig
+
+    grid = [RunConfig(policy=p, budget=b, samples=samples, out=str(out), wandb="off")
+            for p in SWEEP_POLICIES for b in SWEEP_BUDGETS]
+    return [grid[0].full_cache()] + grid
+
+
+def _lines(path: str) -> list[dict]:
+    records = [json.loads(line) for line in (Path(path) / "predictions.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in records]
+
+
+def _peak_rss_of(code: str) -> int:
+    """Peak resident set (bytes) of a child Python process running `code`."""
+    script = f"import resource\n{code}\nprint(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return int(result.stdout.split()[-1]) * 1024
+
+
+def measure_sweep(samples: int) -> list[dict]:
+    from rich.console import Console
+
+    from evalkit.runner import run, run_many
+
+    quiet = Console(stderr=True, quiet=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        shared_out, alone_out = Path(scratch, "shared"), Path(scratch, "alone")
+        start = time.perf_counter()
+        together = run_many(sweep_configs(shared_out, samples), quiet)
+        shared_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        alone = [run(config, quiet) for config in sweep_configs(alone_out, samples)]
+        alone_seconds = time.perf_counter() - start
+        identical = all(_lines(a.path) == _lines(b.path) for a, b in zip(alone, together))
+        common = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                  "from bench_speed import sweep_configs\nfrom evalkit.runner import run_many\n"
+                  "from rich.console import Console\nquiet = Console(stderr=True, quiet=True)\n")
+        full_rss = _peak_rss_of(common + f"run_many(sweep_configs(__import__('pathlib').Path({scratch!r}, 'rss1'), "
+                                         f"{samples})[:1], quiet)")
+        sweep_rss = _peak_rss_of(common + f"run_many(sweep_configs(__import__('pathlib').Path({scratch!r}, 'rss2'), "
+                                          f"{samples}), quiet)")
+    cells = len(together)
+    return [{"measure": "sweep", "cells": cells, "samples": samples, "shared_seconds": shared_seconds,
+             "one_at_a_time_seconds": alone_seconds, "ratio": shared_seconds / alone_seconds,
+             "identical_results": identical, "target": "<= 0.2 (shared over one at a time), identical"},
+            {"measure": "sweep memory", "cells": cells, "samples": samples, "full_run_peak_rss": full_rss,
+             "sweep_peak_rss": sweep_rss, "ratio": sweep_rss / full_rss, "target": "<= 1.5 (over one full run)"}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="2k,8k")
+    parser.add_argument("--samples", type=int, default=3, help="samples per cell of the sweep measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: one per core")
+    parser.add_argument("--only", default="loop,overhead,statistics,sweep")
+    parser.add_argument("--out", default="runs/speed")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [parse_length(x) for x in args.lengths.split(",")]
+    only = args.only.split(",")
+    rows = []
+    measures = {"loop": lambda: measure_loop(lengths, args.repeats), "overhead": lambda: measure_overhead(args.repeats),
+                "statistics": lambda: measure_statistics(lengths, args.repeats),
+                "sweep": lambda: measure_sweep(args.samples)}
+    for name in only:
+        started = time.perf_counter()
+        rows += measures[name]()
+        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    document = {"command": " ".join(["scripts/bench_speed.py", *sys.argv[1:]]), "commit": commit,
+                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                "load_average": os.getloadavg(), "rows": rows,
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speed.json").write_text(json.dumps(document, indent=1) + "\n")
+    for row in rows:
+        shown = {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in row.items()}
+        print(" | ".join(f"{k}={v}" for k, v in shown.items()))
+    print(f"threads {document['threads']}, commit {commit}; {out / 'speed.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""One prefill, many cells: a prefill shared by several (policy, budget) runs gives each exactly what
+its own run gives (docs/sweeps.md, "Sweeps share the prefill").
+
+Checked at three levels: the statistics pass (a statistic does not depend on which others are asked
+for with it, and matches a naive float64 attention), the generation loop (`generate(shared=)` ≡
+`generate()`: tokens, kept tokens and bytes, both layouts, a left-padded batch), and the results
+store (`run_many` ≡ one `run` per cell: every predictions.jsonl line but its timings, for 6 policies
+× 3 budgets × both query modes); plus the sweep's --dry-run and `evalkit run`'s baseline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from evalkit.attention import attention_statistics, prompt_attention, window_queries
+from evalkit.generate import GenerationSettings, Request, generate, share_prefill, statistic_key
+from evalkit.policies import make_policy
+
+POLICIES = ["h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
+            "pyramidkv_head", "adakv_snapkv", "quest", "random"]
+BUDGETS = [0.25, 0.5, 1.0]
+TIMINGS = ("prefill_seconds", "decode_seconds")
+
+
+def naive_statistic(q, k, q_pos, q_valid, counted, scaling):
+    """Each key's probability summed over the counted queries, mean over the group; float64 loops."""
+    B, H_q, T, D = q.shape
+    H_kv = k.shape[1]
+    G = H_q // H_kv
+    stats = torch.zeros(B, H_kv, T, dtype=torch.float64)
+    for b in range(B):
+        for hq in range(H_q):
+            for i in range(T):
+                if not counted[b, i]:
+                    continue
+                seen = [j for j in range(T) if q_valid[b, j] and q_pos[b, j] <= q_pos[b, i]]
+                scores = torch.stack([(q[b, hq, i].double() @ k[b, hq // G, j].double()) * scaling for j in seen])
+                stats[b, hq // G, seen] += torch.softmax(scores, 0) / G
+    return stats
+
+
+def test_a_statistic_is_the_same_whichever_others_are_asked_for_and_matches_naive_attention():
+    gen = torch.Generator().manual_seed(3)
+    B, H_kv, G, T, D = 2, 2, 3, 40, 8
+    q = torch.randn(B, H_kv * G, T, D, generator=gen)
+    k, v = torch.randn(B, H_kv, T, D, generator=gen), torch.randn(B, H_kv, T, D, generator=gen)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :7] = False  # row 1 left-padded, as the loop batches prompts of different lengths
+    pos = (valid.cumsum(1) - 1).masked_fill(~valid, 0)
+    masks = {"attention": valid, "window 4": window_queries(pos, valid, 4), "window 16": window_queries(pos, valid, 16)}
+    together = dict(zip(masks, prompt_attention(q, pos, valid, k, v, 0.5, None, list(masks.values()))[1]))
+    for name, mask in masks.items():
+        (alone,) = prompt_attention(q, pos, valid, k, v, 0.5, None, [mask])[1]
+        assert torch.equal(alone, together[name]), name
+        torch.testing.assert_close(alone.double(), naive_statistic(q, k, pos, valid, mask, 0.5), rtol=1e-5, atol=1e-6)
+    # The causal half (keys_in_order) skips only keys no query of the block may read.
+    k_pos = pos.masked_fill(~valid, -1)[:, None, :].expand(B, H_kv, T)
+    (every_key,) = attention_statistics(q, pos, k, k_pos, 0.5, None, [valid])
+    torch.testing.assert_close(every_key, together["attention"], rtol=1e-5, atol=1e-6)
+
+
+def requests(gen) -> list[Request]:
+    return [Request(torch.randint(0, 128, (n,), generator=gen).tolist(),
+                    torch.randint(0, 128, (6,), generator=gen).tolist(), 6) for n in (70, 52)]
+
+
+@pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
+def test_a_shared_prefill_generates_what_each_cells_own_prefill_generates(query_aware):
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    batch = requests(torch.Generator().manual_seed(0))
+    policies = [make_policy(name) for name in POLICIES]
+    shared = share_prefill(model, batch, query_aware,
+                           {statistic_key(p, p.collect_prefill) for p in policies} - {None})
+    assert {("attention", 0), ("window", 1), ("window", 32)} <= set(shared.record.statistics)
+    compared = 0
+    for policy in policies:
+        for budget in BUDGETS:
+            for layout in ("paged", "dense"):
+                settings = GenerationSettings(policy=policy, budget=budget, layout=layout, block_size=4,
+                                              query_aware=query_aware)
+                own = generate(model, None, batch, settings)
+                forked = generate(model, None, batch, settings, shared=shared)
+                for a, b in zip(own, forked):
+                    assert (a.token_ids, a.kept_tokens, a.bytes_held, a.bytes_ideal) == \
+                        (b.token_ids, b.kept_tokens, b.bytes_held, b.bytes_ideal), (policy.name, budget, layout)
+                    compared += 1
+    assert compared == len(POLICIES) * len(BUDGETS) * 2 * len(batch)
+
+
+def test_a_shared_prefill_refuses_other_prompts_and_chunked_runs():
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(1)
+    batch, other = requests(gen), requests(gen)
+    shared = share_prefill(model, batch, True, {("attention", 0)})
+    h2o = make_policy("h2o_head")
+    with pytest.raises(ValueError, match="same prompts"):
+        generate(model, None, other, GenerationSettings(policy=h2o, budget=0.5), shared=shared)
+    with pytest.raises(ValueError, match="full-prefill"):
+        generate(model, None, batch, GenerationSettings(policy=h2o, budget=0.5, prefill="chunked"), shared=shared)
+    with pytest.raises(ValueError, match="recorded"):  # SnapKV's window was not recorded
+        generate(model, None, batch, GenerationSettings(policy=make_policy("snapkv_head"), budget=0.5), shared=shared)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from conftest import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def configs(model: Path, out: Path, query_aware: bool):
+    from evalkit.config import RunConfig
+
+    return [RunConfig(policy=policy, budget=budget, task="ruler:niah_single_2", length=320, samples=3,
+                      model=str(model), out=str(out), wandb="off", query_aware=query_aware, block_size=4,
+                      batch_size=2)
+            for policy in POLICIES[:6] for budget in BUDGETS]
+
+
+def lines(run_path: str) -> list[dict]:
+    records = [json.loads(line) for line in (Path(run_path) / "predictions.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+
+@pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
+def test_run_many_writes_what_one_run_per_cell_writes(tiny_model_dir, tmp_path, query_aware):
+    from evalkit import generate as loop
+    from evalkit.runner import run, run_many
+
+    prefills = []
+    original = loop.share_prefill
+
+    def counting(*args, **kwargs):
+        prefills.append(1)
+        return original(*args, **kwargs)
+
+    import evalkit.runner as runner
+    runner.share_prefill = counting
+    try:
+        together = run_many(configs(tiny_model_dir, tmp_path / "shared", query_aware))
+    finally:
+        runner.share_prefill = original
+    assert len(prefills) == 2  # 3 samples in batches of 2: two prefills for all 18 cells
+    alone = [run(config) for config in configs(tiny_model_dir, tmp_path / "alone", query_aware)]
+    assert len(together) == len(alone) == 18
+    for a, b in zip(alone, together):
+        assert a.run_id == b.run_id
+        assert lines(a.path) == lines(b.path), a.run_id
+        assert a.metrics["score"] == b.metrics["score"] and a.metrics["kept_tokens"] == b.metrics["kept_tokens"]
+
+
+def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path):
+    from evalkit.runner import run_many
+
+    cells = configs(tiny_model_dir, tmp_path, True)[:3]
+    first = run_many(cells)
+    reference = [lines(r.path) for r in first]
+    # One cell interrupted after a sample, one not started, one complete.
+    path = Path(first[0].path)
+    kept = (path / "predictions.jsonl").read_text().splitlines(keepends=True)[0]
+    (path / "predictions.jsonl").write_text(kept)
+    (path / "metrics.json").unlink()
+    import shutil
+    shutil.rmtree(first[1].path)
+    again = run_many(configs(tiny_model_dir, tmp_path, True)[:3])
+    assert [r.resumed_from for r in again] == [1, 0, -1]
+    assert [lines(r.path) for r in again] == reference
+
+
+def test_sweep_dry_run_says_which_cells_share_a_prefill(tiny_model_dir, tmp_path):
+    from evalkit.cli import app
+
+    args = ["sweep", "--policies", "h2o_head,snapkv_head", "--budgets", "0.5", "--tasks", "ruler:niah_single_2",
+            "--length", "320", "--samples", "2", "--model", str(tiny_model_dir), "--out", str(tmp_path),
+            "--dry-run"]
+    shared = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert shared.exit_code == 0, shared.output
+    assert shared.output.count("shared by 3 cells") == 3  # the two cells and their baseline
+    chunked = CliRunner().invoke(app, args + ["--prefill", "chunked"], env={"COLUMNS": "250"})
+    assert chunked.exit_code == 0, chunked.output
+    assert chunked.output.count("own (chunked prefill)") == 3 and "shared by" not in chunked.output
+    assert not list(tmp_path.iterdir())
+
+
+def test_evalkit_run_shows_the_full_cache_beside_the_policy_from_the_same_prefill(tiny_model_dir, tmp_path):
+    from evalkit.cli import app
+
+    args = ["run", "--policy", "h2o_head", "--budget", "0.5", "--task", "ruler:niah_single_2", "--length", "320",
+            "--samples", "2", "--model", str(tiny_model_dir), "--out", str(tmp_path), "--wandb", "off"]
+    first = CliRunner().invoke(app, args, env={"COLUMNS": "250"})
+    assert first.exit_code == 0, first.output
+    folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert len(folders) == 2 and any("-full-1.0-" in name for name in folders)
+    full = next(tmp_path.glob("*-full-1.0-*"))
+    full_score = json.loads((full / "metrics.json").read_text())["score"]
+    row = next(line for line in first.output.splitlines() if line.startswith("│"))
+    assert "not run" not in first.output and row.split("│")[2].strip() == f"{100 * full_score:.1f}"
+    # Later runs on the same samples reuse the stored baseline; --no-baseline runs none.
+    stamp = (full / "metrics.json").stat().st_mtime_ns
+    second = CliRunner().invoke(app, [*args[:4], "0.25", *args[5:]], env={"COLUMNS": "250"})
+    assert second.exit_code == 0 and (full / "metrics.json").stat().st_mtime_ns == stamp
+    alone = tmp_path / "alone"
+    third = CliRunner().invoke(app, [*args[:-4], "--out", str(alone), "--wandb", "off", "--no-baseline"],
+                               env={"COLUMNS": "250"})
+    assert third.exit_code == 0 and "not run" in third.output
+    assert len([p for p in alone.iterdir() if p.is_dir()]) == 1
