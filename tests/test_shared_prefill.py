@@ -44,14 +44,19 @@ def naive_statistic(q, k, q_pos, q_valid, counted, scaling):
     return stats
 
 
-def test_a_statistic_is_the_same_whichever_others_are_asked_for_and_matches_naive_attention():
+@pytest.mark.parametrize("padded", [False, True], ids=["causal (CPU: flash log-sum-exp)", "left-padded (softmax)"])
+def test_a_statistic_is_the_same_whichever_others_are_asked_for_and_matches_naive_attention(padded, monkeypatch):
+    import evalkit.attention
+
+    monkeypatch.setattr(evalkit.attention, "_STATISTICS_ELEMENTS", 2000)  # several query blocks
     gen = torch.Generator().manual_seed(3)
     B, H_kv, G, T, D = 2, 2, 3, 40, 8
-    q = torch.randn(B, H_kv * G, T, D, generator=gen)
+    q = torch.randn(B, T, H_kv * G, D, generator=gen).transpose(1, 2)  # as transformers passes it
     k, v = torch.randn(B, H_kv, T, D, generator=gen), torch.randn(B, H_kv, T, D, generator=gen)
     valid = torch.ones(B, T, dtype=torch.bool)
-    valid[1, :7] = False  # row 1 left-padded, as the loop batches prompts of different lengths
-    pos = (valid.cumsum(1) - 1).masked_fill(~valid, 0)
+    if padded:
+        valid[1, :7] = False  # row 1 left-padded, as the loop batches prompts of different lengths
+    pos = (valid.cumsum(1) - 1).masked_fill(~valid, 0) + torch.tensor([[0], [3]])
     masks = {"attention": valid, "window 4": window_queries(pos, valid, 4), "window 16": window_queries(pos, valid, 16)}
     together = dict(zip(masks, prompt_attention(q, pos, valid, k, v, 0.5, None, list(masks.values()))[1]))
     for name, mask in masks.items():

@@ -44,8 +44,8 @@ def bench(
     dtype: str = typer.Option("auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."),
     device: str = typer.Option("auto", help="auto, cpu, cuda, cuda:N."),
     seed: int = typer.Option(0, help="Seed for random policies."),
-    threads: int = typer.Option(1, help="Torch threads per measurement; 0: one per core. One by default: on a "
-                                       "busy machine parallel regions stall and timings scatter."),
+    threads: int = typer.Option(0, help="Torch threads per measurement; 0 (default): one per core, as users run. "
+                                       "1 steadies timings on a busy machine; the table says which was used."),
     decode_eviction: bool = typer.Option(True, "--decode-eviction/--no-decode-eviction",
                                          help="Keep the cache at budget while decoding (one eviction per "
                                               "token), or let it grow."),
@@ -283,8 +283,10 @@ def print_report(console, document: dict, show_layout: bool) -> None:
     from rich.table import Table
 
     settings = document["settings"]
+    threads = settings["threads"] or f"{document['environment']['cpu_count']} (one per core)"
     table = Table(title=f"evalkit bench · {settings['model']} · {document['environment']['device']} · "
-                        f"{settings['new_tokens']} new tokens · median of {settings['repeats']}", title_justify="left")
+                        f"{settings['new_tokens']} new tokens · median of {settings['repeats']} · "
+                        f"{threads} torch threads", title_justify="left")
     columns = ("loop", "length", "prefill s", "compress s", "decode ms/tok", "evict ms/tok", "tok/s",
                "decode step / full", "peak MiB", "working MiB", "held MiB", "ideal MiB", "full MiB", "held/ideal")
     for i, column in enumerate(columns):
