@@ -154,9 +154,10 @@ def causal_statistics(q, k, lse, scaling, counted=()):
     if not counted:
         return stats
     rows = torch.stack(list(counted)).any(0).any(0).tolist()  # [T]
-    q = q.float().reshape(B * H_kv, G, T, D)  # a KV head's G query heads, stacked as rows of one matmul
-    k = k.float().reshape(B * H_kv, T, D)
-    lse = lse.reshape(B * H_kv, G, T)
+    work = torch.promote_types(q.dtype, torch.float32)  # half precisions upcast; float64 (the oracle) stays
+    q = q.to(work).reshape(B * H_kv, G, T, D)  # a KV head's G query heads, stacked as rows of one matmul
+    k = k.to(work).reshape(B * H_kv, T, D)
+    lse = lse.to(work).reshape(B * H_kv, G, T)
     block = max(1, _STATISTICS_ELEMENTS // max(1, B * H_q * T))
     future = torch.ones(block, block, dtype=torch.bool, device=q.device).triu(1)
     for start in range(0, T, block):

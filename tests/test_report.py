@@ -5,6 +5,7 @@ import base64
 import csv
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -264,3 +265,30 @@ def test_perplexity_runs_show_as_perplexity_and_rank_lowest_first(tmp_path):
     html = (tmp_path / "report" / "index.html").read_text()
     assert ">30.50<" in html and ">3050.0<" not in html  # a perplexity, not a percentage
     assert "perplexity" in html
+
+
+def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tmp_path):
+    runs = tmp_path / "runs"
+    base = {"task": "ruler:niah_single_2", "length": 2048, "samples": 1, "model": "m", "seed": 0, "query_aware": True}
+    _write_run(runs, "full", {**base, "policy": "full", "budget": 1.0, "block_size": 16}, _metrics(1.0, 1.0), [])
+    scores = {4: 0.9, 16: 0.6, 32: 0.3}
+    for size, score in scores.items():
+        for policy in ("h2o_head_page", "h2o_page"):
+            _write_run(runs, f"{policy}-{size}", {**base, "policy": policy, "budget": 0.2, "block_size": size},
+                       _metrics(score if policy == "h2o_head_page" else score / 2, 0.2), [])
+    _write_run(runs, "h2o_head-16", {**base, "policy": "h2o_head", "budget": 0.2, "block_size": 16},
+               _metrics(0.5, 0.2), [])  # one block size only: no line
+    build_report(runs, tmp_path / "report")
+    (png,) = (tmp_path / "report").glob("quality-vs-block-size-*.png")
+    assert png.stat().st_size > 0
+    html = (tmp_path / "report" / "index.html").read_text()
+    assert "Quality vs block size" in html
+    figure = re.search(r"id=\"plot-block-size-1\".*?</script>", html, re.S).group(0)
+    assert "h2o_head_page @ 0.2" in figure and "h2o_page @ 0.2" in figure and "h2o_head @" not in figure
+    assert '"x":[4,16,32]' in figure.replace(" ", "") and '"y":[90.0,60.0,30.0]' in figure.replace(" ", "")
+    # Without a second block size there is no such plot.
+    for size in (4, 32):
+        for policy in ("h2o_head_page", "h2o_page"):
+            shutil.rmtree(runs / f"{policy}-{size}")
+    build_report(runs, tmp_path / "report")
+    assert not list((tmp_path / "report").glob("quality-vs-block-size-*.png"))

@@ -36,7 +36,7 @@ _PREDICTIONS_SHOWN = 20
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s")  # metrics the report computes with, when present
-_GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "heatmap-*.png")
+_GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "quality-vs-block-size-*.png", "heatmap-*.png")
 
 
 def register(app: typer.Typer) -> None:
@@ -314,6 +314,11 @@ def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: 
             static(group, setting, png)
             plots.append({"setting": setting, "png": png.name,
                           "html": Markup(interactive(group, setting, f"plot-{name}-{number}"))})
+        if _block_size_lines(group):
+            png = output / f"quality-vs-block-size-{number}-{slug}.png"
+            _block_size_png(group, setting, png)
+            plots.append({"setting": setting, "png": png.name,
+                          "html": Markup(_block_size_plotly(group, setting, f"plot-block-size-{number}"))})
     heatmaps = []
     for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x)):
         source = e.folder / "heatmap.png"
@@ -371,6 +376,57 @@ def _lines(group: list[Entry], needs: tuple[str, ...] = ()) -> dict[str, list[En
         if not e.is_full and all(isinstance(e.metrics.get(k), (int, float)) for k in needs):
             lines.setdefault(e.series, []).append(e)
     return lines
+
+
+def _block_size_lines(group: list[Entry]) -> dict[str, list[Entry]]:
+    """Runs that differ only in block size (same policy, budget and other ways of running), by block size:
+    one line each where at least two block sizes were run."""
+    others = [k for k in _VARIANT if k != "block_size"
+              and len({json.dumps(e.config.get(k), default=str) for e in group}) > 1]
+    lines: dict[str, list[Entry]] = {}
+    for e in sorted(group, key=lambda e: e.config.get("block_size") or 0):
+        if not e.is_full and _is_number(e.config.get("block_size")):
+            varied = ", ".join(f"{k}={_text(e.config.get(k))}" for k in others)
+            label = f"{e.config['policy']} @ {e.config['budget']}" + (f" ({varied})" if varied else "")
+            lines.setdefault(label, []).append(e)
+    return {label: members for label, members in lines.items()
+            if len({e.config["block_size"] for e in members}) > 1}
+
+
+def _block_size_plotly(group, setting, div_id) -> str:
+    import plotly.graph_objects as go
+
+    figure = go.Figure()
+    for label, members in _block_size_lines(group).items():
+        figure.add_trace(go.Scatter(
+            x=[e.config["block_size"] for e in members], y=[100 * e.metrics["score"] for e in members],
+            mode="lines+markers", name=_plotly_label(label), customdata=[[_plotly_label(e.run_id)] for e in members],
+            hovertemplate="block size %{x}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
+    full = _full_score(group)
+    if full is not None:
+        figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
+    figure.update_layout(title=_plotly_label(f"Quality vs block size: {setting}"), xaxis_type="log",
+                         xaxis_title="block size (tokens per page)", yaxis_title="score (%)", yaxis_range=[-3, 103],
+                         template="plotly_white", height=420, showlegend=True)
+    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
+
+
+def _block_size_png(group, setting, path: Path) -> None:
+    figure, axes = _png_axes(f"Quality vs block size: {setting}")
+    sizes = set()
+    for label, members in _block_size_lines(group).items():
+        sizes |= {e.config["block_size"] for e in members}
+        axes.plot([e.config["block_size"] for e in members], [100 * e.metrics["score"] for e in members], marker="o",
+                  label=label)
+    full = _full_score(group)
+    if full is not None:
+        axes.axhline(100 * full, color="gray", linestyle="--", label="full cache")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted(sizes), [str(size) for size in sorted(sizes)])
+    axes.minorticks_off()
+    axes.set_xlabel("block size (tokens per page)")
+    axes.set_ylabel("score (%)")
+    _save_png(figure, axes, path)
 
 
 def _full_score(group: list[Entry]) -> float | None:

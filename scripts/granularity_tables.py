@@ -1,0 +1,101 @@
+"""The granularity study's tables (docs/granularity.md), read from the run folders the study's sweeps wrote.
+
+    python scripts/granularity_tables.py runs/granularity runs/granularity-query-agnostic
+
+For each task and query mode: score per policy (scorer x granularity) and budget, then per cell the KV
+held over the full cache, held over ideal (tokens kept), and the prefill compression time. A cell of a
+shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`; the full
+cache's cell of the same sample shares the forward and compresses nothing, so the difference, averaged
+over samples, is the compression's time (plus the fork's noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load(folders: list[str]) -> list[dict]:
+    runs = []
+    for folder in folders:
+        for metrics_path in sorted(Path(folder).glob("*/metrics.json")):
+            config = json.loads((metrics_path.parent / "config.json").read_text())["config"]
+            records = [json.loads(line) for line in (metrics_path.parent / "predictions.jsonl").read_text().splitlines()]
+            runs.append({"config": config, "metrics": json.loads(metrics_path.read_text()),
+                         "prefill": {r["id"]: r["prefill_seconds"] for r in records}})
+    return runs
+
+
+def compression_seconds(run: dict, full: dict | None) -> float | None:
+    if full is None:
+        return None
+    shared = [run["prefill"][i] - full["prefill"][i] for i in run["prefill"] if i in full["prefill"]]
+    return sum(shared) / len(shared) if shared else None
+
+
+def tables(runs: list[dict]) -> str:
+    out = []
+    settings = sorted({(r["config"]["task"], r["config"]["query_aware"]) for r in runs}, key=lambda s: (not s[1], s[0]))
+    for task, query_aware in settings:
+        here = [r for r in runs if (r["config"]["task"], r["config"]["query_aware"]) == (task, query_aware)
+                and r["config"]["block_size"] == 16]
+        fulls = [r for r in here if r["config"]["policy"] == "full"]
+        full = fulls[0] if fulls else None
+        cells = [r for r in here if r["config"]["policy"] != "full"]
+        if not cells:
+            continue
+        budgets = sorted({r["config"]["budget"] for r in cells})
+        policies = list(dict.fromkeys(r["config"]["policy"] for r in sorted(cells, key=_policy_order)))
+        samples = {r["metrics"]["samples"] for r in here}
+        mode = "query-aware" if query_aware else "query-agnostic"
+        out.append(f"**{task}, {mode}** ({'/'.join(map(str, sorted(samples)))} samples a cell; full cache: "
+                   f"{100 * full['metrics']['score']:.0f})" if full else f"**{task}, {mode}**")
+        out.append("")
+        out.append("| policy | " + " | ".join(f"score @ {b}" for b in budgets) + " | held / full | held / ideal | "
+                   "compression (s) |")
+        out.append("|---|" + "---:|" * (len(budgets) + 3))
+        for policy in policies:
+            row = {r["config"]["budget"]: r for r in cells if r["config"]["policy"] == policy}
+            scores = [f"{100 * row[b]['metrics']['score']:.0f}" if b in row else "–" for b in budgets]
+            spread = [row[b] for b in budgets if b in row]
+            held = "/".join(f"{r['metrics']['held_over_full']:.3f}" for r in spread)
+            ideal = "/".join(f"{r['metrics']['held_over_ideal']:.3f}" for r in spread)
+            seconds = [compression_seconds(r, full) for r in spread]
+            comp = "/".join(f"{s:.2f}" if s is not None else "–" for s in seconds)
+            out.append(f"| `{policy}` | " + " | ".join(scores) + f" | {held} | {ideal} | {comp} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def block_table(runs: list[dict]) -> str:
+    cells = [r for r in runs if r["config"]["policy"] in ("h2o_head_page", "h2o_page") and r["config"]["budget"] == 0.2
+             and r["config"]["query_aware"] and r["config"]["task"] == "ruler:niah_single_2"]
+    sizes = sorted({r["config"]["block_size"] for r in cells})
+    if len(sizes) < 2:
+        return ""
+    lines = ["| policy @ 0.2 | " + " | ".join(f"block {s}" for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
+    for policy in ("h2o_head_page", "h2o_page"):
+        row = {r["config"]["block_size"]: r["metrics"] for r in cells if r["config"]["policy"] == policy}
+        lines.append(f"| `{policy}` | " + " | ".join(
+            f"{100 * row[s]['score']:.0f} ({row[s]['held_over_full']:.3f})" if s in row else "–" for s in sizes) + " |")
+    return "\n".join(lines)
+
+
+def _policy_order(run: dict) -> tuple:
+    scorer, _, granularity = run["config"]["policy"].partition("_")
+    order = {"head": 0, "head_page": 1, "token": 2, "page": 3}
+    return scorer, order.get(granularity, 9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+")
+    args = parser.parse_args()
+    runs = load(args.folders)
+    print(tables(runs))
+    print(block_table(runs))
+
+
+if __name__ == "__main__":
+    main()
