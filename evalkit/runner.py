@@ -1,4 +1,6 @@
-"""One evaluation: a task's samples through the generation loop under one policy and budget.
+"""Evaluations: a task's samples through the generation loop under one policy and budget (`run`),
+or under several at once sharing each sample's prefill (`run_many`: a sweep's cells, a run and
+its full-cache baseline), each run in its own folder as if it had run alone.
 
 Everything that can be refused is refused before the run folder exists; a run
 folder that exists is resumed, sample by sample, by one process at a time (the

@@ -2,7 +2,7 @@
 
     python scripts/granularity_tables.py runs/granularity runs/granularity-query-agnostic
 
-For each task and query mode: score per policy (scorer x granularity) and budget, then per cell the KV
+A run still going is shown with the samples it has finished. For each task and query mode: score per policy (scorer x granularity) and budget, then per cell the KV
 held over the full cache, held over ideal (tokens kept), and the prefill compression time. A cell of a
 shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`; the full
 cache's cell of the same sample shares the forward and compresses nothing, so the difference, averaged
@@ -17,18 +17,27 @@ from pathlib import Path
 
 
 def load(folders: list[str]) -> list[dict]:
+    """Every run folder; one still running (no metrics.json yet) is summarised from its finished samples."""
     runs = []
     for folder in folders:
-        for metrics_path in sorted(Path(folder).glob("*/metrics.json")):
-            config = json.loads((metrics_path.parent / "config.json").read_text())["config"]
-            records = [json.loads(line) for line in (metrics_path.parent / "predictions.jsonl").read_text().splitlines()]
-            runs.append({"config": config, "metrics": json.loads(metrics_path.read_text()),
-                         "prefill": {r["id"]: r["prefill_seconds"] for r in records}})
+        for predictions in sorted(Path(folder).glob("*/predictions.jsonl")):
+            run = predictions.parent
+            config = json.loads((run / "config.json").read_text())["config"]
+            records = [json.loads(line) for line in predictions.read_text().splitlines() if line.endswith("}")]
+            if (run / "metrics.json").exists():
+                metrics = json.loads((run / "metrics.json").read_text())
+            else:
+                held, full, ideal = (sum(r[k] for r in records) for k in ("bytes_held", "bytes_full", "bytes_ideal"))
+                metrics = {"samples": len(records), "score": sum(r["score"] for r in records) / len(records),
+                           "held_over_full": held / full, "held_over_ideal": held / ideal}
+            runs.append({"config": config, "metrics": metrics, "prefill": {r["id"]: r["prefill_seconds"] for r in records}})
     return runs
 
 
 def compression_seconds(run: dict, full: dict | None) -> float | None:
-    if full is None:
+    """Query-aware only: query-agnostic prefill also reads the question through each cell's own
+    (smaller) cache, so the difference would mix that in."""
+    if full is None or not run["config"]["query_aware"]:
         return None
     shared = [run["prefill"][i] - full["prefill"][i] for i in run["prefill"] if i in full["prefill"]]
     return sum(shared) / len(shared) if shared else None

@@ -1,4 +1,5 @@
-"""Running a sweep's cells: in this process one after another, or one Ray task per cell; then the
+"""Running a sweep's cells: in this process (cells that share their samples together, one prefill
+per sample), or one Ray task per cell; then the
 sweep's own W&B run. A Ray worker runs its cell in a scratch folder and sends the run folder's files
 back, so the results store is written by this process only.
 """

@@ -1,6 +1,7 @@
 """A sweep's plan: policies × budgets × tasks × lengths as cells, from defaults, a config file and flags.
 
-A cell is one RunConfig and one `runner.run`, keyed by its run id, so the results store
+A cell is one RunConfig with its own run folder, keyed by its run id (cells that share their
+samples run together through `runner.run_many`, one prefill per sample), so the results store
 gives crash safety for free: a complete run folder (metrics.json present) is skipped and a
 partial one resumes sample by sample. Every (task, length) also gets its full-cache
 baseline (policy `full`, budget 1), computed once and shared by all cells of that setting.
