@@ -95,8 +95,11 @@ def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mod
         for group in groups.values():
             for config, result in zip(group, _run_group(group, mode, mirror, console)):
                 results[config.run_id()] = result
-    # Baselines looked up last: a run's full-cache baseline may be one of the runs just made.
-    return [replace(results[config.run_id()], baseline=find_baseline(config)) for config in configs]
+    # Baselines looked up last (a run's full-cache baseline may be one of the runs just made), reading
+    # each results store once for all the runs: a sweep's group is dozens of runs.
+    stores = {config.out: complete_runs(config.out) for config in configs}
+    return [replace(results[config.run_id()], baseline=find_baseline(config, stores[config.out]))
+            for config in configs]
 
 
 # Settings that only act after a full prefill: runs differing in nothing else share it.
@@ -367,10 +370,12 @@ def _provenance(config: RunConfig, policy, model) -> dict:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def find_baseline(config: RunConfig) -> dict | None:
+def find_baseline(config: RunConfig, stored_runs: list[tuple[dict, dict]] | None = None) -> dict | None:
+    """The metrics of the stored full-cache run on this run's samples; `stored_runs`: `complete_runs(config.out)`
+    when the caller has read it already."""
     # Perplexity scores the tokens after the first chunk: only runs with the same chunk compare.
     keys = _BASELINE_KEYS + (("chunk_size",) if config.task == Perplexity.name else ())
-    for stored, metrics in complete_runs(config.out):
+    for stored, metrics in complete_runs(config.out) if stored_runs is None else stored_runs:
         other = stored.get("config", {})
         if other.get("policy") == "full" and all(other.get(k) == getattr(config, k) for k in keys):
             return metrics
