@@ -45,7 +45,7 @@ class ForwardPlan:
 
 @dataclass
 class PromptRecord:
-    """What a prompt's forward leaves behind when it is shared by many cells (`generate.SharedPrefill`):
+    """What a prompt's forward leaves behind when it is shared by many cells (`shared_prefill.SharedPrefill`):
     per layer the K/V the storage would have appended and every statistic in `statistics`."""
 
     statistics: list[tuple[str, int]]  # (collect, window) pairs, e.g. ("attention", 0), ("window", 32)

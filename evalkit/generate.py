@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from evalkit.attention import ForwardPlan, PromptRecord, evalkit_attention, store_statistic
+from evalkit.attention import ForwardPlan, PromptRecord, evalkit_attention
 from evalkit.cache import KVCache, model_kv_shape
-from evalkit.policies import PAGE_GRANULARITIES, Policy, ScoreInput, make_policy, resolve_budget
+from evalkit.policies import PAGE_GRANULARITIES, Policy, ScoreInput, resolve_budget
+
+if TYPE_CHECKING:
+    from evalkit.shared_prefill import SharedPrefill
 
 NO_LIMIT = 1 << 40
 
@@ -65,7 +68,7 @@ compression (each prefill chunk, each decode step) and "prefill" once prefill is
 
 
 @dataclass
-class _State:
+class LoopState:
     model: torch.nn.Module
     cache: KVCache
     policy: Policy
@@ -80,14 +83,14 @@ class _State:
     record: PromptRecord | None = None  # a shared prefill's forward: no storage, everything recorded
 
 
-def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed each sequence its new tokens (left-padded); returns last-token logits [B, V] and counts [B].
 
     With `all_logits`, the logits of every fed position instead: [B, T, V] float32, left on the
     model's device (they can be large); row b's new tokens are its last counts[b] columns.
     """
     device = state.model.device
-    ids, valid, positions = _left_padded(tokens, state.seen)
+    ids, valid, positions = left_padded(tokens, state.seen)
     plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
                        state.policy.observation_window, state.attend_filter, state.attended, state.available,
                        state.settings.kernels, state.record)
@@ -104,7 +107,7 @@ def forward(state: _State, tokens: list[list[int]], all_logits: bool = False) ->
     return out.logits[:, -1].float().cpu(), counts
 
 
-def _left_padded(tokens: list[list[int]], seen: torch.Tensor):
+def left_padded(tokens: list[list[int]], seen: torch.Tensor):
     """ids [B, T], valid [B, T] and true positions [B, T] of rows of new tokens, padded on the left."""
     width = max(len(t) for t in tokens)
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
@@ -117,67 +120,7 @@ def _left_padded(tokens: list[list[int]], seen: torch.Tensor):
     return ids, valid, positions
 
 
-def statistic_key(policy: Policy, collect: str | None) -> tuple[str, int] | None:
-    """How a shared prefill names the statistic `collect` of `policy`: (collect, its window or 0)."""
-    if collect is None:
-        return None
-    return collect, policy.observation_window if collect == "window" else 0
-
-
-@dataclass
-class SharedPrefill:
-    """One full prefill of a batch's compressed prompts, forked into any number of (policy, budget) cells.
-
-    In full-prefill mode the prompt's forward pass does not depend on the policy (a layer's first
-    tokens attend to themselves the same way whatever the storage or statistic: evalkit.attention.
-    prompt_attention), so `share_prefill` runs it once, recording each layer's K/V and every statistic
-    the cells need, and `generate(..., shared=)` stores them in the cell's own cache exactly as its own
-    forward would have, then compresses, appends the question and decodes as an independent run does.
-    """
-
-    compressed: list[list[int]]  # the prompts prefilled, as `_split_prompts` gives them
-    record: PromptRecord
-    logits: torch.Tensor  # [B, V] float32 after each prompt's last token
-    seconds: float
-
-    def fork_into(self, state: _State) -> torch.Tensor:
-        """Store the prefill in `state`'s empty cache with the statistic `state.collect`; the last logits."""
-        key = statistic_key(state.policy, state.collect)
-        if key is not None and key not in self.record.statistics:
-            raise ValueError(f"the shared prefill recorded {self.record.statistics}, not {key}")
-        _, valid, positions = _left_padded(self.compressed, state.seen)
-        device = state.model.device
-        valid, positions = valid.to(device), positions.to(device)
-        for layer_idx, layer in enumerate(state.cache.layers):
-            k, v, stats = self.record.layers[layer_idx]
-            slots = layer.append(k, v, positions, valid)
-            if key is not None:
-                store_statistic(layer, slots, state.collect, stats[key], valid)
-        counts = valid.sum(1).cpu()
-        state.seen += counts
-        if state.collect is not None:
-            state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
-        if state.observe:
-            state.observe("forward", state.cache)
-        return self.logits.clone()
-
-
-@torch.inference_mode()
-def share_prefill(model, requests: list[Request], query_aware: bool,
-                  statistics: set[tuple[str, int]]) -> SharedPrefill:
-    """The full prefill of `requests`' compressed prompts, once, with every statistic in `statistics`."""
-    compressed, _ = _split_prompts(requests, query_aware)
-    settings = GenerationSettings(policy=make_policy("full"))
-    start = torch.zeros(len(requests), dtype=torch.long)
-    state = _State(model, None, settings.policy, settings, start, start.clone(),
-                   record=PromptRecord(sorted(statistics)))
-    began = time.perf_counter()
-    with evalkit_attention(model):
-        logits, _ = forward(state, compressed)
-    return SharedPrefill(compressed, state.record, logits, time.perf_counter() - began)
-
-
-def compress(state: _State, budgets: torch.Tensor) -> None:
+def compress(state: LoopState, budgets: torch.Tensor) -> None:
     """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses.
 
     Tokens fed since the last statistic was collected have no score: a policy that needs one
@@ -187,19 +130,20 @@ def compress(state: _State, budgets: torch.Tensor) -> None:
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     for layer_idx, layer in enumerate(state.cache.layers):
         budget = budgets[layer_idx]
-        if bool((layer.live_counts().cpu() <= budget[:, None]).all()):
+        view = layer.read()
+        if bool(((view.pos >= 0).sum(-1).cpu() <= budget[:, None]).all()):
             continue
         recent = torch.minimum(policy.recent_count(budget) + unscored, budget)
-        view = layer.read()
-        scores = policy.score(ScoreInput(view.k, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
+        keys = view.k if policy.reads_keys else None
+        scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
         keep = policy.select(scores.cpu(), view.pos.cpu(), state.seen, budget, state.settings.block_size, recent)
         layer.evict(view.index, keep.to(view.index.device))
     if state.observe:
         state.observe("compressed", state.cache)
 
 
-def prefill(state: _State, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor,
-            appended_collect: str | None, shared: "SharedPrefill | None" = None):
+def prefill(state: LoopState, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor,
+            appended_collect: str | None, shared: SharedPrefill | None = None):
     """Prefill `compressed` (in chunks when chunked; taken from `shared` when given), compressing to
     `budget` [L, B]; then `appended` as is, collecting `appended_collect` for it (the question after
     compression is read like decoded tokens)."""
@@ -240,7 +184,7 @@ def _stop_text(text: str, stops: tuple[str, ...]) -> str | None:
     return text[: min(cuts)] if cuts else None
 
 
-def decode(state: _State, logits: torch.Tensor, requests: list[Request], tokenizer, eos_ids: set[int],
+def decode(state: LoopState, logits: torch.Tensor, requests: list[Request], tokenizer, eos_ids: set[int],
            cap: torch.Tensor, evict: bool) -> tuple[list[list[int]], list[str]]:
     """Generate until EOS, a stop string or max new tokens; evict down to `cap` [L, B] after each step."""
     B = len(requests)
@@ -275,7 +219,7 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
     """Generate answers for a batch of requests under one policy and budget; with `shared`, from a
     prefill of the same requests shared with other cells (full prefill only)."""
     policy = settings.policy
-    compressed, appended = _split_prompts(requests, settings.query_aware)
+    compressed, appended = split_prompts(requests, settings.query_aware)
     if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
         raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
     lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
@@ -348,7 +292,7 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
               for r in requests]
     unique = [requests[member.index(g)] for g in range(len(groups))]
     policy = settings.policy
-    compressed, appended = _split_prompts(unique, settings.query_aware)
+    compressed, appended = split_prompts(unique, settings.query_aware)
     lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     fed = [r.continuation_ids[:-1] for r in unique]  # the last token is predicted, never fed
@@ -467,7 +411,7 @@ def _budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
 
 
 def _new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budgets: torch.Tensor,
-               after_prefill: torch.Tensor, observe: Observer | None) -> _State:
+               after_prefill: torch.Tensor, observe: Observer | None) -> LoopState:
     """A state whose cache holds the prefill's peak plus `after_prefill` [B] more tokens per head."""
     widest = budgets.amax(0)
     prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
@@ -475,10 +419,10 @@ def _new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budge
     cache = KVCache.create(settings.layout, model.config, len(lengths), capacity, settings.block_size,
                            model.dtype, model.device, settings.pool_pages)
     start = torch.zeros(len(lengths), dtype=torch.long)
-    return _State(model, cache, settings.policy, settings, start, start.clone(), observe)
+    return LoopState(model, cache, settings.policy, settings, start, start.clone(), observe)
 
 
-def _restrict_reads(state: _State, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:
+def _restrict_reads(state: LoopState, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:
     """Install the policy's decode-time read restriction (Quest), if it has one."""
     policy, settings = state.policy, state.settings
     if policy.restricts_reads:
@@ -488,7 +432,7 @@ def _restrict_reads(state: _State, budget: torch.Tensor, lengths: torch.Tensor, 
     state.attended, state.available = torch.zeros(len(lengths)), torch.zeros(len(lengths))
 
 
-def _split_prompts(requests, query_aware: bool) -> tuple[list[list[int]], list[list[int]]]:
+def split_prompts(requests, query_aware: bool) -> tuple[list[list[int]], list[list[int]]]:
     """(what prefill compresses, what it appends uncompressed): the question joins the first when query-aware."""
     if query_aware:
         return [r.context_ids + r.question_ids for r in requests], [[] for _ in requests]

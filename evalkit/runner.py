@@ -27,12 +27,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.generate import (GenerationSettings, Request, SharedPrefill, generate, score_rolling, share_prefill,
-                              statistic_key)
+from evalkit.generate import GenerationSettings, Request, generate, score_rolling
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
 from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
+from evalkit.shared_prefill import SharedPrefill, share_prefill, statistic_key
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
@@ -72,7 +72,7 @@ def run(config: RunConfig, console: Console | None = None, wandb_mode: str | Non
 def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mode: str | None = None,
              mirror: Mirror | None = None) -> list[RunResult]:
     """Several runs; those that differ only in what happens after a full prefill (policy, budget,
-    granularity, layout, ...) prefill each sample once and fork it (`generate.SharedPrefill`), the
+    granularity, layout, ...) prefill each sample once and fork it (`shared_prefill.SharedPrefill`), the
     rest run one after another. Each run's folder ends exactly as `run` alone would leave it."""
     console = console or Console(stderr=True)
     for config in configs:

@@ -283,7 +283,7 @@ def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tm
     assert png.stat().st_size > 0
     html = (tmp_path / "report" / "index.html").read_text()
     assert "Quality vs block size" in html
-    figure = re.search(r"id=\"plot-block-size-1\".*?</script>", html, re.S).group(0)
+    figure = re.search(r"id=\"plot-quality-vs-block-size-1\".*?</script>", html, re.S).group(0)
     assert "h2o_head_page @ 0.2" in figure and "h2o_page @ 0.2" in figure and "h2o_head @" not in figure
     assert '"x":[4,16,32]' in figure.replace(" ", "") and '"y":[90.0,60.0,30.0]' in figure.replace(" ", "")
     # Without a second block size there is no such plot.

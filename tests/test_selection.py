@@ -837,3 +837,11 @@ def test_resolve_budget_counts_above_one_are_tokens_clamped_to_the_length():
 def test_resolve_budget_fraction_of_an_exact_multiple_is_not_rounded_up(fraction, length, expected):
     # 7% of 100 tokens is 7 tokens, not ceil(7.000000000000001) = 8
     assert resolve_budget(fraction, t([length], torch.long)).tolist() == [expected]
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases(), st.integers(0, 1))
+def test_head_eviction_of_at_most_one_token_per_head_follows_the_rule_book(case, spare):
+    # Decode-time eviction: every head holds at most one token over its budget (select_keep's fast path).
+    case.budget = [max(1, max(live_count(case, b, h) for h in range(case.H)) - spare) for b in range(case.B)]
+    assert case.kept("head") == reference_keep(case, "head")

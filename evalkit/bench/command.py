@@ -51,6 +51,11 @@ def bench(
                                               "token), or let it grow."),
     out_dir: str = typer.Option("runs/bench", "--out", help="Folder for bench.json, bench.png and components.png."),
     fresh: bool = typer.Option(False, "--fresh", help="Measure every cell again instead of reusing bench.json's."),
+    speed: str = typer.Option("", help="Instead of the grid, the main job's speed against its baselines "
+                                       "(comma-separated: loop, overhead, statistics, sweep; 'all'): "
+                                       "<out>/speed.json. Uses --model, --lengths, --repeats, --threads, "
+                                       "--samples; docs/benchmarks.md."),
+    samples: int = typer.Option(3, help="With --speed sweep: samples of the default task per cell."),
 ):
     """Time and memory of each policy × budget × length against the full cache and HF generate, same run."""
     import dataclasses
@@ -62,6 +67,9 @@ def bench(
     settings = BenchSettings(model=model, new_tokens=new_tokens, batch=batch, repeats=repeats,
                              block_size=block_size, dtype=dtype, device=device, seed=seed, threads=threads,
                              decode_eviction=decode_eviction)
+    if speed:
+        _speed(speed, model, lengths, repeats, threads, samples, out_dir)
+        return
     policy_args = parse_policy_args(policy_arg)
     plan = _validate(settings, policies, budgets, lengths, layouts, policy_args, granularities)
     settings = dataclasses.replace(settings, policy_args=policy_args)
@@ -141,6 +149,56 @@ def _model_facts(settings):
     check_device(settings.device)
     target = resolve_device(settings.device)
     return model_config(settings.model), target, resolve_dtype(settings.dtype, target)
+
+
+# --- the main job's speed (--speed) -------------------------------------------------------------------
+
+def _speed(names: str, model: str, lengths: str, repeats: int, threads: int, samples: int, out_dir: str) -> None:
+    import datetime
+    import os
+    import shlex
+    import sys
+    from pathlib import Path
+
+    import torch
+    from rich.console import Console
+
+    from evalkit.bench import speed
+    from evalkit.errors import EvalkitError
+    from evalkit.models import model_config
+    from evalkit.results import check_writable_folder, package_versions, write_json_atomic
+
+    only = list(speed.MEASURES) if names.strip() == "all" else _items(names, "speed")
+    unknown = [name for name in only if name not in speed.MEASURES]
+    if unknown:
+        raise EvalkitError(f"unknown --speed measurement {unknown[0]!r}; choose from {', '.join(speed.MEASURES)} "
+                           "or all")
+    for name, value in (("repeats", repeats), ("samples", samples)):
+        if value < 1:
+            raise EvalkitError(f"{name} must be >= 1, got {value}")
+    if threads < 0:
+        raise EvalkitError(f"threads must be >= 0 (0: one per core), got {threads}")
+    length_values = sorted(set(parse_length(t) for t in _items(lengths, "lengths")))
+    limit = getattr(model_config(model), "max_position_embeddings", None)
+    if limit and length_values[-1] > limit:
+        raise EvalkitError(f"length {length_values[-1]} exceeds the {limit} positions of {model}")
+    check_writable_folder(out_dir, "--out")
+    if threads:
+        torch.set_num_threads(threads)
+    err, out = Console(stderr=True), Console(width=max(Console().width, 150))
+    started = datetime.datetime.now().isoformat("T", "seconds")
+    with err.status("speed") as status:
+        rows = speed.measure(only, model, length_values, repeats, samples,
+                             lambda name: status.update(f"speed: {name} (see docs/benchmarks.md)"))
+    document = {"command": shlex.join(["evalkit", *sys.argv[1:]]), "started": started, "model": model,
+                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg(),
+                "versions": package_versions(("torch", "transformers", "evalkit")), "rows": rows}
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / "speed.json", document)
+    out.print(speed.speed_table(rows, f"evalkit bench --speed · {document['threads']} torch threads · "
+                                      f"medians of {repeats}"))
+    out.print(f"results: {folder / 'speed.json'}")
 
 
 # --- the run --------------------------------------------------------------------------------------

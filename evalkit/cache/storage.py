@@ -30,14 +30,23 @@ class SlotView:
 
     layer: "SlotLayer"
     index: torch.Tensor  # [B, H_kv, N] flat slot ids
-    k: torch.Tensor  # [B, H_kv, N, D]
-    v: torch.Tensor  # [B, H_kv, N, D]
     pos: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty
+
+    # Gathered on first use: eviction reads positions and statistics, attention reads K and V.
+    @functools.cached_property
+    def k(self) -> torch.Tensor:
+        """[B, H_kv, N, D]"""
+        return self.layer.gather(self.layer.k, self.index)
+
+    @functools.cached_property
+    def v(self) -> torch.Tensor:
+        """[B, H_kv, N, D]"""
+        return self.layer.gather(self.layer.v, self.index)
 
     @functools.cached_property
     def stats(self) -> torch.Tensor:
-        """[B, H_kv, N] float32 policy statistic; gathered only when a policy reads it."""
-        return self.layer.stats[self.index]
+        """[B, H_kv, N] float32 policy statistic"""
+        return self.layer.gather(self.layer.stats, self.index)
 
 
 class SlotLayer:
@@ -75,10 +84,13 @@ class SlotLayer:
     # shared ------------------------------------------------------------------
     def read(self) -> SlotView:
         index = self.slot_index()
-        flat = index.reshape(-1)  # index_select: the same rows as k[index], a third of the time on CPU
-        k = self.k.index_select(0, flat).view(*index.shape, self.head_dim)
-        v = self.v.index_select(0, flat).view(*index.shape, self.head_dim)
-        return SlotView(self, index, k, v, self.pos.index_select(0, flat).view(index.shape))
+        return SlotView(self, index, self.gather(self.pos, index))
+
+    @staticmethod
+    def gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """rows[index]: [*index.shape, *rows.shape[1:]]; index_select is a third of the time of advanced
+        indexing on CPU."""
+        return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
 
     def live_counts(self) -> torch.Tensor:
         """[B, H_kv] tokens held per head."""

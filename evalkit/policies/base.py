@@ -21,7 +21,7 @@ from evalkit.registry import Registry
 class ScoreInput:
     """What a scorer may look at for one layer, per (sequence, KV head) slot; ragged heads padded."""
 
-    keys: torch.Tensor  # [B, H_kv, N, D] post-RoPE keys
+    keys: torch.Tensor | None  # [B, H_kv, N, D] post-RoPE keys; None unless the policy `reads_keys`
     positions: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty slot
     attention: torch.Tensor  # [B, H_kv, N] accumulated attention statistic (zeros unless collected)
     layer: int
@@ -62,6 +62,7 @@ class Policy:
     collect_decode: ClassVar[str | None] = None
     evicts: ClassVar[bool] = True  # False: keeps everything whatever the budget
     restricts_reads: ClassVar[bool] = False  # True: `attended_slots` limits what decode queries read
+    reads_keys: ClassVar[bool] = False  # True: `score` reads ScoreInput.keys (gathered for it only then)
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
     arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
     arg_choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # field name -> allowed string values

@@ -28,6 +28,17 @@ def _rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(-1, order, steps)
 
 
+def _last_in_order(tier: torch.Tensor, secondary: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """One-hot along the last dim: the present entry `_rank` ranks last (by tier, secondary, index).
+    Three reductions instead of two sorts, for the common case of one eviction per head."""
+    tier = tier.masked_fill(~present, -1)
+    last = present & (tier == tier.amax(-1, keepdim=True))
+    secondary = secondary.masked_fill(~last, NEG_INF)
+    last &= secondary == secondary.amax(-1, keepdim=True)
+    index = torch.arange(tier.shape[-1], device=tier.device)
+    return index == torch.where(last, index, -1).amax(-1, keepdim=True)
+
+
 def _keep_order(scores, present, sink, protected, index):
     """(tier, secondary) of the keep order; `index` is the unit's position (or page) number."""
     tier = torch.full_like(index, RANKED).masked_fill(protected, PROTECTED).masked_fill(sink, SINK)
@@ -73,7 +84,11 @@ def select_keep(
     position = torch.arange(T).expand(B, H, T)
     if granularity == "head":
         tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
-        keep = present & (_rank(tier, secondary) < budget[:, None, None])
+        excess = present.sum(-1) - budget[:, None]  # [B, H]
+        if int(excess.max()) <= 1:  # decode-time eviction: at most the last unit in the keep order leaves
+            keep = present & ~(_last_in_order(tier, secondary, present) & (excess > 0)[..., None])
+        else:
+            keep = present & (_rank(tier, secondary) < budget[:, None, None])
     elif granularity == "token":
         token_present = present.any(1)  # [B, T]
         token_score = pos_scores.masked_fill(~present, 0).sum(1) / present.sum(1).clamp(min=1)

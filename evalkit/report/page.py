@@ -301,6 +301,8 @@ def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: 
     import plotly.offline
     from markupsafe import Markup
 
+    from evalkit.report import plots as draw
+
     rows = leaderboard_rows(entries)
     _write_csv(rows, output / "leaderboard.csv")
     settings = list(dict.fromkeys(r["setting"] for r in rows))
@@ -308,17 +310,18 @@ def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: 
     for number, setting in enumerate(settings, 1):
         group = [e for e in entries if e.setting == setting]
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", setting).strip("-")[:60]
-        for name, interactive, static in (("quality-vs-budget", _quality_plotly, _quality_png),
-                                          ("memory-vs-quality", _memory_plotly, _memory_png)):
-            png = output / f"{name}-{number}-{slug}.png"
-            static(group, setting, png)
-            plots.append({"setting": setting, "png": png.name,
-                          "html": Markup(interactive(group, setting, f"plot-{name}-{number}"))})
+        full = _full_score(group)
+        full_run = next((e for e in group if e.is_full and "held_over_full" in e.metrics), None)
+        figures = [("quality-vs-budget", draw.quality_plotly, draw.quality_png, _lines(group), full),
+                   ("memory-vs-quality", draw.memory_plotly, draw.memory_png, _lines(group, _MEMORY), full_run)]
         if _block_size_lines(group):
-            png = output / f"quality-vs-block-size-{number}-{slug}.png"
-            _block_size_png(group, setting, png)
+            figures.append(("quality-vs-block-size", draw.block_size_plotly, draw.block_size_png,
+                            _block_size_lines(group), full))
+        for name, interactive, static, lines, reference in figures:
+            png = output / f"{name}-{number}-{slug}.png"
+            static(lines, reference, setting, png)
             plots.append({"setting": setting, "png": png.name,
-                          "html": Markup(_block_size_plotly(group, setting, f"plot-block-size-{number}"))})
+                          "html": Markup(interactive(lines, reference, setting, f"plot-{name}-{number}"))})
     heatmaps = []
     for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x)):
         source = e.folder / "heatmap.png"
@@ -367,7 +370,7 @@ def _write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-# ---- plots: plotly in the page, matplotlib PNG copies -----------------------------------------------------
+# ---- what each plot draws (evalkit.report.plots draws it) ----------------------------------------------
 
 def _lines(group: list[Entry], needs: tuple[str, ...] = ()) -> dict[str, list[Entry]]:
     """Entries of each non-full series that have the metrics `needs`, ordered by budget."""
@@ -393,141 +396,6 @@ def _block_size_lines(group: list[Entry]) -> dict[str, list[Entry]]:
             if len({e.config["block_size"] for e in members}) > 1}
 
 
-def _block_size_plotly(group, setting, div_id) -> str:
-    import plotly.graph_objects as go
-
-    figure = go.Figure()
-    for label, members in _block_size_lines(group).items():
-        figure.add_trace(go.Scatter(
-            x=[e.config["block_size"] for e in members], y=[100 * e.metrics["score"] for e in members],
-            mode="lines+markers", name=_plotly_label(label), customdata=[[_plotly_label(e.run_id)] for e in members],
-            hovertemplate="block size %{x}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
-    full = _full_score(group)
-    if full is not None:
-        figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
-    figure.update_layout(title=_plotly_label(f"Quality vs block size: {setting}"), xaxis_type="log",
-                         xaxis_title="block size (tokens per page)", yaxis_title="score (%)", yaxis_range=[-3, 103],
-                         template="plotly_white", height=420, showlegend=True)
-    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
-
-
-def _block_size_png(group, setting, path: Path) -> None:
-    figure, axes = _png_axes(f"Quality vs block size: {setting}")
-    sizes = set()
-    for label, members in _block_size_lines(group).items():
-        sizes |= {e.config["block_size"] for e in members}
-        axes.plot([e.config["block_size"] for e in members], [100 * e.metrics["score"] for e in members], marker="o",
-                  label=label)
-    full = _full_score(group)
-    if full is not None:
-        axes.axhline(100 * full, color="gray", linestyle="--", label="full cache")
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(sorted(sizes), [str(size) for size in sorted(sizes)])
-    axes.minorticks_off()
-    axes.set_xlabel("block size (tokens per page)")
-    axes.set_ylabel("score (%)")
-    _save_png(figure, axes, path)
-
-
 def _full_score(group: list[Entry]) -> float | None:
     fulls = [e for e in group if e.is_full]
     return fulls[0].metrics["score"] if fulls else None
-
-
-def _plotly_label(text: str) -> str:
-    """Plotly reads labels as a small subset of HTML; escape so names are shown, never interpreted."""
-    import html
-
-    return html.escape(text, quote=False)  # plotly decodes &lt; &gt; &amp; but shows &quot; as is
-
-
-def _quality_plotly(group, setting, div_id) -> str:
-    import plotly.graph_objects as go
-
-    figure = go.Figure()
-    for series, members in _lines(group).items():
-        figure.add_trace(go.Scatter(
-            x=[e.x for e in members], y=[100 * e.metrics["score"] for e in members], mode="lines+markers",
-            name=_plotly_label(series), customdata=[[_plotly_label(e.run_id), e.config["budget"]] for e in members],
-            hovertemplate="budget %{customdata[1]}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
-    full = _full_score(group)
-    if full is not None:
-        figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
-    figure.update_layout(title=_plotly_label(f"Quality vs budget: {setting}"),
-                         xaxis_title="budget (fraction of the prompt kept)",
-                         yaxis_title="score (%)", yaxis_range=[-3, 103], xaxis_range=[0, 1.02],
-                         template="plotly_white", height=420, showlegend=True)
-    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
-
-
-def _memory_plotly(group, setting, div_id) -> str:
-    import plotly.graph_objects as go
-
-    figure = go.Figure()
-    for series, members in _lines(group, _MEMORY).items():
-        members = sorted(members, key=lambda e: e.metrics["held_over_full"])
-        figure.add_trace(go.Scatter(
-            x=[100 * e.metrics["held_over_full"] for e in members], y=[100 * e.metrics["score"] for e in members],
-            mode="lines+markers", name=_plotly_label(series),
-            customdata=[[e.config["budget"], e.metrics["bytes_held"] / 2**20] for e in members],
-            hovertemplate="budget %{customdata[0]}<br>KV held %{customdata[1]:.1f} MiB (%{x:.1f}% of full)"
-                          "<br>score %{y:.1f}%<extra></extra>"))
-    for e in group:
-        if e.is_full and "held_over_full" in e.metrics:
-            figure.add_trace(go.Scatter(x=[100 * e.metrics["held_over_full"]], y=[100 * e.metrics["score"]],
-                                        mode="markers", name="full cache", marker={"symbol": "star", "size": 12,
-                                                                                   "color": "gray"}))
-            break
-    figure.update_layout(title=_plotly_label(f"Memory vs quality: {setting}"),
-                         xaxis_title="KV cache held (% of the full cache)",
-                         yaxis_title="score (%)", yaxis_range=[-3, 103], template="plotly_white", height=420,
-                         showlegend=True)
-    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
-
-
-def _png_axes(title: str):
-    from matplotlib.figure import Figure
-
-    import matplotlib
-
-    figure = Figure(figsize=(8, 4.2), dpi=110)  # no pyplot: no global figure state, no GUI backend
-    axes = figure.add_subplot()
-    axes.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)  # distinct colours for up to 20 policies
-    axes.set_title(title, fontsize=10)
-    axes.set_ylim(-3, 103)
-    axes.grid(alpha=0.3)
-    return figure, axes
-
-
-def _save_png(figure, axes, path: Path) -> None:
-    if axes.get_legend_handles_labels()[0]:  # a setting with only its full-cache run has nothing to name
-        axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    figure.savefig(path, bbox_inches="tight")
-
-
-def _quality_png(group, setting, path: Path) -> None:
-    figure, axes = _png_axes(f"Quality vs budget: {setting}")
-    for series, members in _lines(group).items():
-        axes.plot([e.x for e in members], [100 * e.metrics["score"] for e in members], marker="o", label=series)
-    full = _full_score(group)
-    if full is not None:
-        axes.axhline(100 * full, color="gray", linestyle="--", label="full cache")
-    axes.set_xlim(0, 1.02)
-    axes.set_xlabel("budget (fraction of the prompt kept)")
-    axes.set_ylabel("score (%)")
-    _save_png(figure, axes, path)
-
-
-def _memory_png(group, setting, path: Path) -> None:
-    figure, axes = _png_axes(f"Memory vs quality: {setting}")
-    for series, members in _lines(group, _MEMORY).items():
-        members = sorted(members, key=lambda e: e.metrics["held_over_full"])
-        axes.plot([100 * e.metrics["held_over_full"] for e in members], [100 * e.metrics["score"] for e in members],
-                  marker="o", label=series)
-    fulls = [e for e in group if e.is_full and "held_over_full" in e.metrics]
-    if fulls:
-        axes.plot([100 * fulls[0].metrics["held_over_full"]], [100 * fulls[0].metrics["score"]], marker="*",
-                  markersize=12, color="gray", linestyle="none", label="full cache")
-    axes.set_xlabel("KV cache held (% of the full cache)")
-    axes.set_ylabel("score (%)")
-    _save_png(figure, axes, path)

@@ -1,29 +1,24 @@
-"""The main job's speed, as ratios measured in one run (docs/benchmarks.md, "The main job's speed").
+"""`evalkit bench --speed`: the main job's speed, as ratios against baselines timed in the same run.
 
-    .venv/bin/python scripts/bench_speed.py [--lengths 2k,8k] [--samples 3] [--threads 0] [--out runs/speed]
-
-Four measurements, each against a baseline timed in the same run, interleaved (baseline, subject,
-baseline, ...; medians of --repeats after a warm-up):
-1. loop: evalkit `full` against HF `generate` (sdpa) on the default model, same prompt, 16 new tokens
-   (EOS off), seconds per prompt at each length;
-2. overhead: a 2-layer, 64-wide random Qwen2 (built from a config) on an 894-token prompt, where the
-   model costs almost nothing: evalkit's decode step (full cache; h2o_head @ 0.2 with and without
-   decode eviction) against HF generate's, from (time for 64 tokens - time for 1) / 63;
-3. statistics: the default model's prompt forward with H2O's column sums, SnapKV's window and both,
-   against the plain forward (`generate.share_prefill`, nothing else), at each length;
-4. sweep: 8 policies x 3 budgets (+ the full cache) on --samples samples of the default task, all
-   cells through one shared prefill per sample (`runner.run_many`) against the same cells one `run`
-   at a time, in this process; results compared line by line; then the peak RSS of each way in a
-   child process, against one full-cache run's.
-Writes <out>/speed.json and prints a table; --only picks measurements (loop,overhead,statistics,sweep).
+Four measurements (docs/benchmarks.md, "The main job's speed"), each interleaved with its baseline
+(baseline, subject, baseline, ...; medians of `repeats` after a warm-up):
+- loop: evalkit `full` against HF `generate` (sdpa) on the model (default: the embedded default), same prompt, 16 new tokens
+  (EOS off), seconds per prompt at each length;
+- overhead: a 2-layer, 64-wide random Qwen2 (built from a config) on an 894-token prompt, where the
+  model costs almost nothing: evalkit's decode step (full cache; h2o_head @ 0.2 with and without
+  decode eviction) against HF generate's, from (time for 64 tokens - time for 1) / 63;
+- statistics: the model's prompt forward with H2O's column sums, SnapKV's window and both,
+  against the plain forward (`shared_prefill.share_prefill`, nothing else), at each length;
+- sweep: 8 policies x 3 budgets (+ the full cache) on `samples` samples of the default task at the
+  shortest length, all
+  cells through one shared prefill per sample (`runner.run_many`) against the same cells one `run`
+  at a time, in this process; results compared line by line; then the peak RSS of each way in a
+  child process, against one full-cache run's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-from evalkit.bench.command import parse_length
 from evalkit.bench.generations import bench_prompts, eos_disabled
-from evalkit.generate import GenerationSettings, Request, generate, share_prefill
+from evalkit.generate import GenerationSettings, Request, generate
 from evalkit.models import load_model
 from evalkit.policies import make_policy
+from evalkit.shared_prefill import share_prefill
+
+MEASURES = ("loop", "overhead", "statistics", "sweep")
 
 SWEEP_POLICIES = ["h2o_head", "h2o_page", "snapkv_head", "tova_token", "knorm_head", "streaming_llm",
                   "pyramidkv_head", "h2o_head_page"]
@@ -70,8 +67,8 @@ def evalkit_generate(model, ids: list[int], new_tokens: int, policy="full", budg
     return lambda: generate(model, None, [Request(ids, [], new_tokens)], settings)
 
 
-def measure_loop(lengths: list[int], repeats: int) -> list[dict]:
-    model, tokenizer = load_model("smollm2-135m")
+def measure_loop(model_name: str, lengths: list[int], repeats: int) -> list[dict]:
+    model, tokenizer = load_model(model_name)
     rows = []
     with eos_disabled(model):
         for length in lengths:
@@ -116,8 +113,8 @@ def measure_overhead(repeats: int) -> list[dict]:
     return rows
 
 
-def measure_statistics(lengths: list[int], repeats: int) -> list[dict]:
-    model, tokenizer = load_model("smollm2-135m")
+def measure_statistics(model_name: str, lengths: list[int], repeats: int) -> list[dict]:
+    model, tokenizer = load_model(model_name)
     rows = []
     for length in lengths:
         request = [Request(bench_prompts(tokenizer, length, 1)[0].ids, [], 1)]
@@ -133,10 +130,10 @@ def measure_statistics(lengths: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def sweep_configs(out: Path, samples: int):
+def sweep_configs(out: Path, samples: int, model: str, length: int):
     from evalkit.config import RunConfig
 
-    grid = [RunConfig(policy=p, budget=b, samples=samples, out=str(out), wandb="off")
+    grid = [RunConfig(policy=p, budget=b, samples=samples, model=model, length=length, out=str(out), wandb="off")
             for p in SWEEP_POLICIES for b in SWEEP_BUDGETS]
     return [grid[0].full_cache()] + grid
 
@@ -153,7 +150,7 @@ def _peak_rss_of(code: str) -> int:
     return int(result.stdout.split()[-1]) * 1024
 
 
-def measure_sweep(samples: int) -> list[dict]:
+def measure_sweep(model_name: str, length: int, samples: int) -> list[dict]:
     from rich.console import Console
 
     from evalkit.runner import run, run_many
@@ -162,19 +159,18 @@ def measure_sweep(samples: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         shared_out, alone_out = Path(scratch, "shared"), Path(scratch, "alone")
         start = time.perf_counter()
-        together = run_many(sweep_configs(shared_out, samples), quiet)
+        together = run_many(sweep_configs(shared_out, samples, model_name, length), quiet)
         shared_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        alone = [run(config, quiet) for config in sweep_configs(alone_out, samples)]
+        alone = [run(config, quiet) for config in sweep_configs(alone_out, samples, model_name, length)]
         alone_seconds = time.perf_counter() - start
         identical = all(_lines(a.path) == _lines(b.path) for a, b in zip(alone, together))
-        common = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                  "from bench_speed import sweep_configs\nfrom evalkit.runner import run_many\n"
+        common = ("from evalkit.bench.speed import sweep_configs\nfrom evalkit.runner import run_many\n"
                   "from rich.console import Console\nquiet = Console(stderr=True, quiet=True)\n")
         full_rss = _peak_rss_of(common + f"run_many(sweep_configs(__import__('pathlib').Path({scratch!r}, 'rss1'), "
-                                         f"{samples})[:1], quiet)")
+                                         f"{samples}, {model_name!r}, {length})[:1], quiet)")
         sweep_rss = _peak_rss_of(common + f"run_many(sweep_configs(__import__('pathlib').Path({scratch!r}, 'rss2'), "
-                                          f"{samples}), quiet)")
+                                          f"{samples}, {model_name!r}, {length}), quiet)")
     cells = len(together)
     return [{"measure": "sweep", "cells": cells, "samples": samples, "shared_seconds": shared_seconds,
              "one_at_a_time_seconds": alone_seconds, "ratio": shared_seconds / alone_seconds,
@@ -183,40 +179,53 @@ def measure_sweep(samples: int) -> list[dict]:
              "sweep_peak_rss": sweep_rss, "ratio": sweep_rss / full_rss, "target": "<= 1.5 (over one full run)"}]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", default="2k,8k")
-    parser.add_argument("--samples", type=int, default=3, help="samples per cell of the sweep measurement")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: one per core")
-    parser.add_argument("--only", default="loop,overhead,statistics,sweep")
-    parser.add_argument("--out", default="runs/speed")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    lengths = [parse_length(x) for x in args.lengths.split(",")]
-    only = args.only.split(",")
+def measure(only: list[str], model: str, lengths: list[int], repeats: int, samples: int,
+            describe=lambda text: None) -> list[dict]:
+    """The rows of every measurement in `only` (names from MEASURES), in that order; the sweep runs at the
+    shortest of `lengths`."""
+    measures = {"loop": lambda: measure_loop(model, lengths, repeats), "overhead": lambda: measure_overhead(repeats),
+                "statistics": lambda: measure_statistics(model, lengths, repeats),
+                "sweep": lambda: measure_sweep(model, min(lengths), samples)}
     rows = []
-    measures = {"loop": lambda: measure_loop(lengths, args.repeats), "overhead": lambda: measure_overhead(args.repeats),
-                "statistics": lambda: measure_statistics(lengths, args.repeats),
-                "sweep": lambda: measure_sweep(args.samples)}
     for name in only:
-        started = time.perf_counter()
+        describe(name)
         rows += measures[name]()
-        print(f"{name}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    document = {"command": " ".join(["scripts/bench_speed.py", *sys.argv[1:]]), "commit": commit,
-                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                "load_average": os.getloadavg(), "rows": rows,
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "speed.json").write_text(json.dumps(document, indent=1) + "\n")
+    return rows
+
+
+def _shown(row: dict, key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if key.endswith("_ms"):
+        return f"{value:.2f} ms"
+    if key.endswith("rss"):
+        return f"{value / 2**20:.0f} MiB"
+    return f"{value:.2f} s" if isinstance(value, float) else str(value)
+
+
+_BASELINE = {"loop": ("HF generate", "hf_seconds", "evalkit_seconds"),
+             "overhead": ("HF decode step", "hf_step_ms", "evalkit_step_ms"),
+             "statistics": ("plain prompt forward", "plain_seconds", "seconds"),
+             "sweep": ("one run per cell", "one_at_a_time_seconds", "shared_seconds"),
+             "sweep memory": ("one full-cache run", "full_run_peak_rss", "sweep_peak_rss")}
+
+
+def speed_table(rows: list[dict], title: str):
+    """A rich table: one line per measured ratio, with its baseline, its target and whether it is met."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("measure", "case", "baseline", "baseline value", "evalkit", "ratio", "target"):
+        table.add_column(column, justify="right" if column in ("baseline value", "evalkit", "ratio") else "left")
     for row in rows:
-        shown = {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in row.items()}
-        print(" | ".join(f"{k}={v}" for k, v in shown.items()))
-    print(f"threads {document['threads']}, commit {commit}; {out / 'speed.json'}")
-
-
-if __name__ == "__main__":
-    main()
+        baseline, base_key, own_key = _BASELINE[row["measure"]]
+        case = row.get("case") or (f"{row['length']} tokens" if "length" in row else f"{row['cells']} cells, "
+                                   f"{row['samples']} samples")
+        if "length" in row and row.get("case"):
+            case = f"{case}, {row['length']} tokens"
+        if row["measure"] == "sweep":
+            case += ", identical results" if row["identical_results"] else ", RESULTS DIFFER"
+        table.add_row(row["measure"], case, baseline, _shown(row, base_key), _shown(row, own_key),
+                      f"{row['ratio']:.2f}", row["target"])
+    return table
