@@ -74,6 +74,17 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     if collect is None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
+    if collect is None and T == 1:
+        # Decoding: a KV head's G query heads are the rows of one attention, so K and V are never
+        # repeated and one mask row serves them all.
+        qp = q_pos[:, None, :]  # [B, 1, 1]
+        allowed = (k_pos >= 0) & (k_pos <= qp)  # [B, H_kv, N]
+        if sliding_window:
+            allowed &= k_pos > qp - sliding_window
+        allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
+        out = F.scaled_dot_product_attention(q.view(B, H_kv, G, D), k, v, attn_mask=allowed[:, :, None, :],
+                                             scale=scaling)
+        return out.view(B, 1, H_q, D), None
     q = q.view(B, H_kv, G, T, D)
     out = torch.empty(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
     stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None

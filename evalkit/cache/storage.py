@@ -86,15 +86,14 @@ class SlotLayer:
         index = self.slot_index()
         return SlotView(self, index, self.gather(self.pos, index))
 
-    @staticmethod
-    def gather(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """rows[index]: [*index.shape, *rows.shape[1:]]; index_select is a third of the time of advanced
-        indexing on CPU."""
+    def gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """rows[index] for a per-slot array (k, v, pos, stats) and this layer's `slot_index()`:
+        [*index.shape, *rows.shape[1:]]. May be a view of `rows`: read it before the next write."""
         return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
 
     def live_counts(self) -> torch.Tensor:
         """[B, H_kv] tokens held per head."""
-        return (self.pos[self.slot_index()] >= 0).sum(-1)
+        return (self.gather(self.pos, self.slot_index()) >= 0).sum(-1)
 
     def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Write new tokens into each head's lowest free slots; returns their slots [B, H_kv, T] (padding:
@@ -108,12 +107,12 @@ class SlotLayer:
         if int(n_new.max()) == 0:
             return slots
         index = self.slot_index()
-        free = self._real(index, self.pos[index] < 0)
+        free = self._real(index, self.gather(self.pos, index) < 0)
         missing = (n_new[:, None] - free.sum(-1)).clamp(min=0)
         if bool(missing.any()):
             self._reserve(missing)
             index = self.slot_index()
-            free = self._real(index, self.pos[index] < 0)
+            free = self._real(index, self.gather(self.pos, index) < 0)
         # The i-th new token of a head takes its i-th free slot in fill order.
         m = int(n_new.max())
         if m == 1:  # decoding: argmax returns the first free slot
@@ -268,6 +267,11 @@ class DenseLayer(SlotLayer):
 
     def slot_index(self) -> torch.Tensor:
         return self._index
+
+    def gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if index is self._index:  # each head's slots are one run of the buffer: a view, no copy
+            return rows[:self.num_real_slots].view(*index.shape, *rows.shape[1:])
+        return super().gather(rows, index)
 
     def _reserve(self, free_needed: torch.Tensor) -> None:
         if bool((free_needed > 0).any()):
