@@ -110,6 +110,9 @@ def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False)
 def left_padded(tokens: list[list[int]], seen: torch.Tensor):
     """ids [B, T], valid [B, T] and true positions [B, T] of rows of new tokens, padded on the left."""
     width = max(len(t) for t in tokens)
+    if all(len(t) == width for t in tokens):  # no padding (every decode step): one tensor, no loop
+        ids = torch.tensor(tokens, dtype=torch.long).view(len(tokens), width)
+        return ids, torch.ones_like(ids, dtype=torch.bool), seen[:, None] + torch.arange(width)
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
     valid = torch.zeros(len(tokens), width, dtype=torch.bool)
     for b, row in enumerate(tokens):

@@ -58,6 +58,9 @@ class SlotLayer:
         self.v = torch.zeros(total, head_dim, dtype=dtype, device=device)
         self.pos = torch.full((total,), -1, dtype=torch.long, device=device)
         self.stats = torch.zeros(total, dtype=torch.float32, device=device)
+        # [B, H_kv] live tokens per head while every head's live slots are the first of its fill order
+        # (nothing evicted since the last compaction): then a token's slot is known without a scan.
+        self.packed: torch.Tensor | None = torch.zeros(batch, kv_heads, dtype=torch.long, device=device)
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
 
     # layout-specific -------------------------------------------------------
@@ -102,11 +105,23 @@ class SlotLayer:
         k, v: [B, H_kv, T, D]; pos: [B, T] original positions; valid: [B, T] (False = padding, not stored).
         """
         B, H, T, D = k.shape
+        index = self.slot_index()
+        if T == 1 and self.packed is not None and bool(valid.all()):  # decoding a packed cache: no scan
+            following = self.packed[..., None]  # [B, H, 1] each head's next slot in fill order
+            full = bool((following >= index.shape[-1]).any())
+            dest = index.gather(2, following.clamp(max=index.shape[-1] - 1))
+            if not full and bool((dest < self.num_real_slots).all()):  # else a new page: the general path
+                flat = dest.reshape(-1)
+                self.k.index_copy_(0, flat, k.reshape(-1, D))
+                self.v.index_copy_(0, flat, v.reshape(-1, D))
+                self.pos.index_copy_(0, flat, pos.expand(B, H).reshape(-1))
+                self.stats.index_fill_(0, flat, 0.0)
+                self.packed = self.packed + 1
+                return dest
         n_new = valid.sum(1)  # [B]
         slots = torch.full((B, H, T), self.num_real_slots, dtype=torch.long, device=self.pos.device)
         if int(n_new.max()) == 0:
             return slots
-        index = self.slot_index()
         free = self._real(index, self.gather(self.pos, index) < 0)
         missing = (n_new[:, None] - free.sum(-1)).clamp(min=0)
         if bool(missing.any()):
@@ -135,6 +150,8 @@ class SlotLayer:
         self.v[dest] = v
         self.pos[dest] = pos
         self.stats[dest] = 0.0
+        if self.packed is not None:  # the lowest free slots of a packed head are the next ones
+            self.packed = self.packed + n_new[:, None]
         return slots
 
     def _real(self, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -157,13 +174,15 @@ class SlotLayer:
         drop = index[~keep & (self.pos[index] >= 0)]
         self.pos[drop] = -1
         self.stats[drop] = 0.0
+        self.packed = None  # holes, until the next compaction
         self._release_empty()
 
     def compact(self) -> None:
         """Pack each head's live tokens, in fill order, into its first slots; free what is left."""
         index = self.slot_index()
         live = self.pos[index] >= 0
-        if bool((live.long().cumprod(-1).sum(-1) == live.sum(-1)).all()):
+        self.packed = live.sum(-1)
+        if bool((live.long().cumprod(-1).sum(-1) == self.packed).all()):
             return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)  # live slots first

@@ -28,15 +28,24 @@ def _rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(-1, order, steps)
 
 
-def _last_in_order(tier: torch.Tensor, secondary: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-    """One-hot along the last dim: the present entry `_rank` ranks last (by tier, secondary, index).
-    Three reductions instead of two sorts, for the common case of one eviction per head."""
-    tier = tier.masked_fill(~present, -1)
-    last = present & (tier == tier.amax(-1, keepdim=True))
+def _drop_at_most_one(scores, positions, seen, budget, sink_tokens, recent) -> torch.Tensor | None:
+    """`head` selection when no head holds more than one token over its budget (decode-time eviction),
+    else None: the token ranked last in the keep order leaves. Worked out on the slots themselves, with
+    a few reductions instead of the position-space sorts."""
+    live = positions >= 0
+    excess = live.sum(-1) - budget[:, None]  # [B, H]
+    if int(excess.max()) > 1:
+        return None
+    recent = torch.zeros_like(seen) if recent is None else recent
+    sink = live & (positions < sink_tokens)
+    protected = live & (positions >= (seen - recent)[:, None, None])
+    tier, secondary = _keep_order(scores.float(), live, sink, protected, positions)
+    tier = tier.masked_fill(~live, -1)
+    last = live & (tier == tier.amax(-1, keepdim=True))
     secondary = secondary.masked_fill(~last, NEG_INF)
     last &= secondary == secondary.amax(-1, keepdim=True)
-    index = torch.arange(tier.shape[-1], device=tier.device)
-    return index == torch.where(last, index, -1).amax(-1, keepdim=True)
+    last &= positions == torch.where(last, positions, -1).amax(-1, keepdim=True)  # ties: the later position
+    return live & ~(last & (excess > 0)[..., None])
 
 
 def _keep_order(scores, present, sink, protected, index):
@@ -79,16 +88,16 @@ def select_keep(
     recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept (within the budget)
 ) -> torch.Tensor:
     """[B, H_kv, N] bool: the live slots to keep."""
+    if granularity == "head":
+        keep = _drop_at_most_one(scores, positions, seen, budget, sink_tokens, recent)
+        if keep is not None:
+            return keep
     pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
     B, H, T = pos_scores.shape
     position = torch.arange(T).expand(B, H, T)
     if granularity == "head":
         tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
-        excess = present.sum(-1) - budget[:, None]  # [B, H]
-        if int(excess.max()) <= 1:  # decode-time eviction: at most the last unit in the keep order leaves
-            keep = present & ~(_last_in_order(tier, secondary, present) & (excess > 0)[..., None])
-        else:
-            keep = present & (_rank(tier, secondary) < budget[:, None, None])
+        keep = present & (_rank(tier, secondary) < budget[:, None, None])
     elif granularity == "token":
         token_present = present.any(1)  # [B, T]
         token_score = pos_scores.masked_fill(~present, 0).sum(1) / present.sum(1).clamp(min=1)
