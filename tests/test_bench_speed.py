@@ -36,6 +36,10 @@ def test_every_measurement_has_its_rows_and_positive_ratios(speed_run, tiny_mode
         by_measure.setdefault(row["measure"], []).append(row)
     assert sorted(by_measure) == ["loop", "overhead", "statistics", "sweep", "sweep memory"]
     assert [r["length"] for r in by_measure["loop"]] == [LENGTH]
+    (loop,) = by_measure["loop"]
+    for side in ("hf", "evalkit"):  # the whole generation splits into its prefill (1 new token) and the rest
+        assert 0 < loop[f"{side}_prefill_seconds"]
+        assert math.isclose(loop[f"{side}_prefill_seconds"] + loop[f"{side}_decode_seconds"], loop[f"{side}_seconds"])
     assert {r["case"] for r in by_measure["overhead"]} == {
         "full cache", "h2o_head @ 0.2, no decode eviction", "h2o_head @ 0.2, decode eviction"}
     assert {r["case"] for r in by_measure["statistics"]} == {"h2o column sums", "snapkv window 32", "both"}
