@@ -456,6 +456,8 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
             k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, H, T, D, generator=g)
             new = [pos[b][valid[b]].tolist() for b in range(B)]
             if model.append(new):
+                if T == 1 and bool(valid.all()) and pl.packed is not None:
+                    event("decode append into a packed layer (no scan)")
                 pl.append(k, v, pos, valid)
                 dl.append(k, v, pos, valid)
                 dmodel.append(new)
@@ -502,6 +504,11 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
 
         check_paged(pl, model, data, peak, compacted)
         assert dl.read().pos.tolist() == dmodel.view_pos()
+        for layer in (pl, dl):  # a layer that calls itself packed is: each head's live slots come first
+            if layer.packed is not None:
+                live = layer.read().pos >= 0
+                assert torch.equal(layer.packed, live.sum(-1))
+                assert bool((live.long().cumprod(-1).sum(-1) == layer.packed).all())
         check_tokens(dl, data)
         assert dl.bytes_held().tolist() == [H * capacity * TOKEN_BYTES] * B
         assert torch.equal(pl.live_counts(), dl.live_counts())
