@@ -429,6 +429,7 @@ def test_report_skips_malformed_store_files_naming_them(monkeypatch, capsys, tmp
 
 def test_a_failing_report_leaves_the_previous_one_as_it_was(monkeypatch, tmp_path):
     from evalkit.report import page as report
+    from evalkit.report import plots
 
     runs = niah_store(tmp_path).parent
     report.build_report(runs, tmp_path / "report")
@@ -437,7 +438,7 @@ def test_a_failing_report_leaves_the_previous_one_as_it_was(monkeypatch, tmp_pat
     def broken(*_):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(report, "_memory_png", broken)
+    monkeypatch.setattr(plots, "memory_png", broken)
     with pytest.raises(RuntimeError):
         report.build_report(runs, tmp_path / "report")
     assert {p.name: p.read_bytes() for p in (tmp_path / "report").iterdir()} == before
