@@ -77,10 +77,7 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     if collect is None and T == 1:
         # Decoding: a KV head's G query heads are the rows of one attention, so K and V are never
         # repeated and one mask row serves them all.
-        qp = q_pos[:, None, :]  # [B, 1, 1]
-        allowed = (k_pos >= 0) & (k_pos <= qp)  # [B, H_kv, N]
-        if sliding_window:
-            allowed &= k_pos > qp - sliding_window
+        allowed = _visible(q_pos[:, None, :], k_pos, sliding_window)  # [B, H_kv, N]
         allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
         out = F.scaled_dot_product_attention(q.view(B, H_kv, G, D), k, v, attn_mask=allowed[:, :, None, :],
                                              scale=scaling)
@@ -92,11 +89,8 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     all_valid = bool(q_valid.all())  # then every query sees at least itself: it was appended first
     for start in range(0, T, block):
         stop = min(T, start + block)
-        qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
-        kp = k_pos[:, :, None, None, :]  # [B, H_kv, 1, 1, N]
-        allowed = (kp >= 0) & (kp <= qp)
-        if sliding_window:
-            allowed &= kp > qp - sliding_window
+        # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, N]
+        allowed = _visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :], sliding_window)
         if not all_valid:  # a padding query may see no slot; let it see all rather than produce NaN
             allowed |= ~allowed.any(-1, keepdim=True)
         q_block = q[:, :, :, start:stop]  # [B, H_kv, G, t, D]
@@ -116,6 +110,14 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
             probs = probs * q_valid[:, None, None, start:stop, None]
         stats += probs.float().sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
+
+
+def _visible(qp, kp, sliding_window):
+    """Which slots (positions kp, -1 = empty) queries at positions qp may read, broadcast together."""
+    allowed = (kp >= 0) & (kp <= qp)
+    if sliding_window:
+        allowed &= kp > qp - sliding_window
+    return allowed
 
 
 def window_queries(q_pos, q_valid, window):
@@ -214,11 +216,8 @@ def attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window=None, count
         if not any(rows[start:stop]):
             continue
         t, n = stop - start, (stop if keys_in_order else N)
-        qp = q_pos[:, None, None, start:stop, None]  # [B, 1, 1, t, 1]
-        kp = k_pos[:, :, None, None, :n]  # [B, H_kv, 1, 1, n]
-        allowed = (kp >= 0) & (kp <= qp)
-        if sliding_window:
-            allowed &= kp > qp - sliding_window
+        # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, n]
+        allowed = _visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :n], sliding_window)
         allowed |= ~allowed.any(-1, keepdim=True)  # a padding query sees nothing: let it see all, not NaN
         scores = torch.matmul(q[:, :, :, start:stop].reshape(B, H_kv, G * t, D), k[:, :, :n].transpose(-1, -2))
         scores = scores.view(B, H_kv, G, t, n).mul_(scaling).masked_fill_(~allowed, float("-inf"))

@@ -107,10 +107,9 @@ class SlotLayer:
         B, H, T, D = k.shape
         index = self.slot_index()
         if T == 1 and self.packed is not None and bool(valid.all()):  # decoding a packed cache: no scan
-            following = self.packed[..., None]  # [B, H, 1] each head's next slot in fill order
-            full = bool((following >= index.shape[-1]).any())
-            dest = index.gather(2, following.clamp(max=index.shape[-1] - 1))
-            if not full and bool((dest < self.num_real_slots).all()):  # else a new page: the general path
+            fits = int(self.packed.max()) < index.shape[-1]
+            dest = index.gather(2, self.packed[..., None]) if fits else None  # [B, H, 1] each head's next slot
+            if fits and bool((dest < self.num_real_slots).all()):  # else a new page: the general path
                 flat = dest.reshape(-1)
                 self.k.index_copy_(0, flat, k.reshape(-1, D))
                 self.v.index_copy_(0, flat, v.reshape(-1, D))
