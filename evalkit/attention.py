@@ -191,9 +191,10 @@ def causal_statistics(q, k, lse, scaling, counted=()):
             ke = min(qe, ks + key_tile)
             n = ke - ks
             probs = torch.bmm(keys[:, ks:ke], queries)  # [B * H_kv, n, G * t]: log2 of each probability
-            if ke - 1 > qs:  # some key after some query of the tile
-                future = torch.arange(ks, ke, device=q.device)[:, None] > torch.arange(qs, qe, device=q.device)
-                probs.view(-1, n, G, t).masked_fill_(future[:, None, :], float("-inf"))
+            after = max(ks, qs + 1)  # keys from here on come after some query of the tile
+            if ke > after:
+                future = torch.arange(after, ke, device=q.device)[:, None] > torch.arange(qs, qe, device=q.device)
+                probs.view(-1, n, G, t)[:, after - ks:].masked_fill_(future[:, None, :], float("-inf"))
             probs = probs.exp2_().view(B, H_kv, n, G * t)
             for total, weight in zip(stats, weights):
                 if weight is None:

@@ -42,10 +42,13 @@ def test_every_measurement_has_its_rows_and_positive_ratios(speed_run, tiny_mode
         assert math.isclose(loop[f"{side}_prefill_seconds"] + loop[f"{side}_decode_seconds"], loop[f"{side}_seconds"])
     assert {r["case"] for r in by_measure["overhead"]} == {
         "full cache", "h2o_head @ 0.2, no decode eviction", "h2o_head @ 0.2, decode eviction"}
-    assert {r["case"] for r in by_measure["statistics"]} == {"h2o column sums", "snapkv window 32", "both"}
+    floor = "h2o floor: plain + the scores' matmul alone"
+    assert {r["case"] for r in by_measure["statistics"]} == {"h2o column sums", "snapkv window 32", "both", floor}
     for row in rows:
         assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
-        assert row["target"].startswith(("<=", ">=")) or row["case"] == "both", row
+        assert row["target"].startswith(("<=", ">=")) or row["case"] in ("both", floor), row
+    (floor_row,) = [r for r in by_measure["statistics"] if r["case"] == floor]
+    assert floor_row["ratio"] > 1 and floor_row["seconds"] > floor_row["plain_seconds"]
     assert document["command"].startswith("evalkit bench --speed all")
     assert document["model"] == str(tiny_model_dir)
 

@@ -8,7 +8,8 @@ Four measurements (docs/benchmarks.md, "The main job's speed"), each interleaved
   model costs almost nothing: evalkit's decode step (full cache; h2o_head @ 0.2 with and without
   decode eviction) against HF generate's, from (time for 64 tokens - time for 1) / 63;
 - statistics: the model's prompt forward with H2O's column sums, SnapKV's window and both,
-  against the plain forward (`shared_prefill.share_prefill`, nothing else), at each length;
+  against the plain forward (`shared_prefill.share_prefill`, nothing else), at each length; and the
+  floor of any exact second pass: the plain forward plus the causal scores' matmul alone;
 - sweep: 8 policies x 3 budgets (+ the full cache) on `samples` samples of the default task at the
   shortest length, all
   cells through one shared prefill per sample (`runner.run_many`) against the same cells one `run`
@@ -124,14 +125,38 @@ def measure_statistics(model_name: str, lengths: list[int], repeats: int) -> lis
         request = [Request(bench_prompts(tokenizer, length, 1)[0].ids, [], 1)]
         kinds = {"plain": set(), "h2o column sums": {("attention", 0)}, "snapkv window 32": {("window", 32)},
                  "both": {("attention", 0), ("window", 32)}}
-        t = interleaved({name: (lambda s=s: share_prefill(model, request, True, s)) for name, s in kinds.items()},
-                        repeats)
+        calls = {name: (lambda s=s: share_prefill(model, request, True, s)) for name, s in kinds.items()}
+        t = interleaved({**calls, "scores alone": causal_scores_alone(model.config, length)}, repeats)
         for name in list(kinds)[1:]:
             target = {"h2o column sums": "<= 1.2", "snapkv window 32": "<= 1.05"}.get(name, "")
             rows.append({"measure": "statistics", "length": length, "case": name, "plain_seconds": t["plain"],
                          "seconds": t[name], "ratio": t[name] / t["plain"],
                          "target": f"{target} (over the plain prompt forward)" if target else ""})
+        rows.append({"measure": "statistics", "length": length, "case": "h2o floor: plain + the scores' matmul alone",
+                     "plain_seconds": t["plain"], "seconds": t["plain"] + t["scores alone"],
+                     "ratio": (t["plain"] + t["scores alone"]) / t["plain"], "target": ""})
     return rows
+
+
+def causal_scores_alone(config, length: int):
+    """The least an exact pass after the attention must do for H2O's column sums: every layer's
+    causal (query, key) scores, in `causal_statistics`' tiles and shapes, and nothing else."""
+    from evalkit.attention import _STATISTICS_TILE
+
+    H_q, H_kv = config.num_attention_heads, config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // H_q
+    G = H_q // H_kv
+    query_tile, key_tile = _STATISTICS_TILE
+    keys = torch.randn(H_kv, length, D + 1)  # [key, 1] rows, as causal_statistics builds them
+    queries = torch.randn(H_kv, D + 1, G * query_tile)
+
+    def call():
+        for _ in range(config.num_hidden_layers):
+            for qs in range(0, length, query_tile):
+                qe = min(length, qs + query_tile)
+                for ks in range(0, qe, key_tile):
+                    torch.bmm(keys[:, ks:min(qe, ks + key_tile)], queries[..., :G * (qe - qs)])
+    return call
 
 
 def sweep_configs(out: Path, samples: int, model: str, length: int):
