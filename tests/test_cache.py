@@ -424,15 +424,20 @@ def add_random_stats(seed, layers, data):
 
 op = st.one_of(
     st.tuples(st.just("append"), st.integers(1, 4), st.integers(0, 2**31 - 1), st.sampled_from([1.0, 0.7, 0.4, 0.0])),
-    st.tuples(st.just("evict"), st.integers(0, 2**31 - 1), st.sampled_from([0.8, 0.5, 0.2, 1.0, 0.0])),
+    # "one": each head loses at most one token, as decode eviction does
+    st.tuples(st.just("evict"), st.integers(0, 2**31 - 1), st.sampled_from([0.8, 0.5, 0.2, 1.0, 0.0, "one"])),
     st.tuples(st.just("stats"), st.integers(0, 2**31 - 1)),
     st.tuples(st.just("compact")),
 )
+# A decode step with decode eviction: each head loses at most one token, then every row appends one.
+decode_step = st.integers(0, 2**31 - 1).map(lambda seed: [("evict", seed, "one"), ("append", 1, seed, 1.0)])
+operations = st.lists(st.one_of(op.map(lambda o: [o]), decode_step), min_size=1, max_size=10).map(
+    lambda steps: [o for step in steps for o in step])
 
 
 @settings(max_examples=400, deadline=None)
 @given(B=st.integers(1, 3), H=st.integers(1, 3), S=st.sampled_from([1, 2, 4]), extra_pages=st.integers(0, 12),
-       ops=st.lists(op, min_size=1, max_size=14))
+       ops=operations)
 def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages, ops):
     num_pages = B * H + extra_pages  # small pools run out: the model predicts exactly when
     capacity = 4 * len(ops)
@@ -458,6 +463,8 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
             if model.append(new):
                 if T == 1 and bool(valid.all()) and pl.packed is not None:
                     event("decode append into a packed layer (no scan)")
+                if T == 1 and bool(valid.all()) and pl.single_hole is not None:
+                    event("decode append into a layer with a single hole per head (no scan)")
                 pl.append(k, v, pos, valid)
                 dl.append(k, v, pos, valid)
                 dmodel.append(new)
@@ -477,7 +484,12 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
             add_random_stats(seed + 1, (pl, dl), data)  # as H2O does: statistics, then eviction
             g = torch.Generator().manual_seed(seed)
             view = pl.read()
-            keep = torch.rand(view.pos.shape, generator=g) < p_keep  # random bits on empty slots too
+            if p_keep == "one":  # a random live slot per head, dropped when a coin says so
+                pick = torch.rand(view.pos.shape, generator=g).masked_fill(view.pos < 0, -1).argmax(-1, keepdim=True)
+                keep = torch.ones(view.pos.shape, dtype=torch.bool)
+                keep.scatter_(-1, pick, torch.rand(pick.shape, generator=g) < 0.5)
+            else:
+                keep = torch.rand(view.pos.shape, generator=g) < p_keep  # random bits on empty slots too
             decision = {(b, h, int(view.pos[b, h, i])): bool(keep[b, h, i])
                         for b in range(B) for h in range(H) for i in range(view.pos.shape[-1]) if view.pos[b, h, i] >= 0}
             pl.evict(view.index, keep)
@@ -509,6 +521,12 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
                 live = layer.read().pos >= 0
                 assert torch.equal(layer.packed, live.sum(-1))
                 assert bool((live.long().cumprod(-1).sum(-1) == layer.packed).all())
+            if layer.single_hole is not None:  # ... or its first `end` slots but the one at `hole`
+                assert layer.packed is None
+                live = layer.read().pos >= 0
+                hole, end = layer.single_hole
+                slot = torch.arange(live.shape[-1])
+                assert torch.equal(live, (slot < end[..., None]) & (slot != hole[..., None])), (live, hole, end)
         check_tokens(dl, data)
         assert dl.bytes_held().tolist() == [H * capacity * TOKEN_BYTES] * B
         assert torch.equal(pl.live_counts(), dl.live_counts())

@@ -61,6 +61,10 @@ class SlotLayer:
         # [B, H_kv] live tokens per head while every head's live slots are the first of its fill order
         # (nothing evicted since the last compaction): then a token's slot is known without a scan.
         self.packed: torch.Tensor | None = torch.zeros(batch, kv_heads, dtype=torch.long, device=device)
+        # (hole, end) [B, H_kv] each: after a packed head lost at most one token (decode eviction), its live
+        # slots are its first `end` minus the one at `hole` (hole == end: none lost). Decoding fills the
+        # hole and the layer is packed again, so decode eviction never scans for free slots either.
+        self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
 
     # layout-specific -------------------------------------------------------
@@ -72,8 +76,8 @@ class SlotLayer:
         """Make sure head (b, h) has `free_needed[b, h]` empty slots."""
         raise NotImplementedError
 
-    def _release_empty(self) -> None:
-        """Return storage that holds no live token."""
+    def _release_empty(self, emptied: torch.Tensor | None = None) -> None:
+        """Return storage that holds no live token (only storage holding a slot of `emptied`, when given)."""
 
     def held_slots(self) -> torch.Tensor:
         """[B] slots held (allocated) per sequence."""
@@ -106,17 +110,20 @@ class SlotLayer:
         """
         B, H, T, D = k.shape
         index = self.slot_index()
-        if T == 1 and self.packed is not None and bool(valid.all()):  # decoding a packed cache: no scan
-            fits = int(self.packed.max()) < index.shape[-1]
-            dest = index.gather(2, self.packed[..., None]) if fits else None  # [B, H, 1] each head's next slot
+        known = self._next_free() if T == 1 and bool(valid.all()) else None
+        if known is not None:  # decoding a packed cache, or one with a single hole per head: no scan
+            target, packed_after = known  # [B, H] fill-order index of each head's lowest free slot
+            fits = int(target.max()) < index.shape[-1]
+            dest = index.gather(2, target[..., None]) if fits else None  # [B, H, 1] each head's next slot
             if fits and bool((dest < self.num_real_slots).all()):  # else a new page: the general path
                 flat = dest.reshape(-1)
                 self.k.index_copy_(0, flat, k.reshape(-1, D))
                 self.v.index_copy_(0, flat, v.reshape(-1, D))
                 self.pos.index_copy_(0, flat, pos.expand(B, H).reshape(-1))
                 self.stats.index_fill_(0, flat, 0.0)
-                self.packed = self.packed + 1
+                self.packed, self.single_hole = packed_after, None
                 return dest
+        self.single_hole = None
         n_new = valid.sum(1)  # [B]
         slots = torch.full((B, H, T), self.num_real_slots, dtype=torch.long, device=self.pos.device)
         if int(n_new.max()) == 0:
@@ -153,6 +160,16 @@ class SlotLayer:
             self.packed = self.packed + n_new[:, None]
         return slots
 
+    def _next_free(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Without a scan, when known: each head's lowest free slot (fill order) and the packed count once
+        a token is written there, [B, H] each."""
+        if self.packed is not None:
+            return self.packed, self.packed + 1
+        if self.single_hole is not None:
+            hole, end = self.single_hole
+            return hole, torch.where(hole < end, end, end + 1)
+        return None
+
     def _real(self, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return mask & (index < self.num_real_slots)
 
@@ -170,17 +187,25 @@ class SlotLayer:
 
     def evict(self, index: torch.Tensor, keep: torch.Tensor) -> None:
         """Empty every live slot of the view where `keep` is False."""
-        drop = index[~keep & (self.pos[index] >= 0)]
+        dropped = ~keep & (self.pos[index] >= 0)
+        drop = index[dropped]
         self.pos[drop] = -1
         self.stats[drop] = 0.0
-        self.packed = None  # holes, until the next compaction
-        self._release_empty()
+        hole = None
+        if self.packed is not None and index is self.slot_index():
+            lost = dropped.sum(-1)  # [B, H]
+            if bool((lost <= 1).all()):
+                hole = (torch.where(lost > 0, dropped.to(torch.int8).argmax(-1), self.packed), self.packed)
+        self.packed, self.single_hole = None, None  # holes, until the next compaction or decode append
+        self._release_empty(drop)
+        if hole is not None and self.slot_index() is index:  # no page returned: fill order unchanged
+            self.single_hole = hole
 
     def compact(self) -> None:
         """Pack each head's live tokens, in fill order, into its first slots; free what is left."""
         index = self.slot_index()
         live = self.pos[index] >= 0
-        self.packed = live.sum(-1)
+        self.packed, self.single_hole = live.sum(-1), None
         if bool((live.long().cumprod(-1).sum(-1) == self.packed).all()):
             return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
@@ -241,8 +266,10 @@ class PagedLayer(SlotLayer):
             self.tables[b][h] += [next(pages) for _ in range(int(pages_needed[b, h]))]
         self._index = None
 
-    def _release_empty(self) -> None:
+    def _release_empty(self, emptied: torch.Tensor | None = None) -> None:
         S = self.block_size
+        if emptied is not None and bool((self.pos.view(-1, S)[emptied // S] >= 0).any(1).all()):
+            return  # every page that lost a token still holds one
         page_live = (self.pos.view(-1, S) >= 0).any(1)
         page_live[self.null_page] = True
         table = self.slot_index()[..., ::S] // S  # [B, H, pages]: the cached view, not the Python lists
