@@ -9,6 +9,7 @@ caching, so slot order does not matter.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -185,10 +186,10 @@ def _causal_statistic(keys, queries, mask):
     counted_rows = mask.any(0).nonzero()[:, 0].tolist()
     query_tile, key_tile = _STATISTICS_TILE
     for tile in range(0, T, query_tile):
-        inside = [r for r in counted_rows if tile <= r < tile + query_tile]
-        if not inside:
+        first, end = bisect.bisect_left(counted_rows, tile), bisect.bisect_left(counted_rows, tile + query_tile)
+        if first == end:
             continue
-        qs, qe = inside[0], inside[-1] + 1
+        qs, qe = counted_rows[first], counted_rows[end - 1] + 1  # the tile cut to its counted rows
         t = qe - qs
         # A KV head's G query heads as the columns of one matmul: keys [n, D + 1] @ queries [D + 1, G * t].
         columns = queries[:, :, :, qs:qe].reshape(B * H_kv, G * t, -1).transpose(1, 2).contiguous()
