@@ -42,6 +42,10 @@ def test_every_measurement_has_its_rows_and_positive_ratios(speed_run, tiny_mode
         assert math.isclose(loop[f"{side}_prefill_seconds"] + loop[f"{side}_decode_seconds"], loop[f"{side}_seconds"])
     assert {r["case"] for r in by_measure["overhead"]} == {
         "full cache", "h2o_head @ 0.2, no decode eviction", "h2o_head @ 0.2, decode eviction"}
+    steps = {r["case"]: r["evalkit_step_ops"] for r in by_measure["overhead"]}
+    assert all(r["hf_step_ops"] > 0 for r in by_measure["overhead"])
+    # Operator counts do not depend on the machine's load: evicting a token a step costs operators.
+    assert steps["h2o_head @ 0.2, decode eviction"] > steps["h2o_head @ 0.2, no decode eviction"] > 0
     floor = "h2o floor: plain + the scores' matmul alone"
     assert {r["case"] for r in by_measure["statistics"]} == {"h2o column sums", "snapkv window 32", "both", floor}
     for row in rows:

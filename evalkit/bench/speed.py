@@ -6,7 +6,8 @@ Four measurements (docs/benchmarks.md, "The main job's speed"), each interleaved
   (EOS off), seconds per prompt at each length; and each with 1 new token (its prefill), for the split;
 - overhead: a 2-layer, 64-wide random Qwen2 (built from a config) on an 894-token prompt, where the
   model costs almost nothing: evalkit's decode step (full cache; h2o_head @ 0.2 with and without
-  decode eviction) against HF generate's, from (time for 64 tokens - time for 1) / 63;
+  decode eviction) against HF generate's, from (time for 64 tokens - time for 1) / 63; and the ATen
+  operators a step runs, counted by the profiler (the same on a busy machine);
 - statistics: the model's prompt forward with H2O's column sums, SnapKV's window and both,
   against the plain forward (`shared_prefill.share_prefill`, nothing else), at each length; and the
   floor of any exact second pass: the plain forward plus the causal scores' matmul alone;
@@ -107,15 +108,28 @@ def measure_overhead(repeats: int) -> list[dict]:
         functions[name + " (1)"] = evalkit_generate(model, ids, short, policy, budget, evict)
     with eos_disabled(model):
         t = interleaved(functions, repeats)
+        ops = {name: operator_calls(fn) for name, fn in functions.items()}
     hf_step = (t["hf"] - t["hf_1"]) / (long - short)
+    hf_ops = (ops["hf"] - ops["hf_1"]) / (long - short)
     rows = []
     for name in cases:
         step = (t[name] - t[name + " (1)"]) / (long - short)
         rows.append({"measure": "overhead", "case": name, "hf_step_ms": 1e3 * hf_step, "evalkit_step_ms": 1e3 * step,
-                     "ratio": step / hf_step,
+                     "ratio": step / hf_step, "hf_step_ops": hf_ops,
+                     "evalkit_step_ops": (ops[name] - ops[name + " (1)"]) / (long - short),
                      "target": "<= 1.5 (evalkit step over HF's)" if name.endswith(", decode eviction")
                      else "<= 1.2 (evalkit step over HF's)"})
     return rows
+
+
+def operator_calls(fn) -> int:
+    """How many ATen operators one call of `fn` runs (nested calls included): unlike its time, the same
+    on a busy machine, so a decode step's overhead can be compared between commits anywhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::"))
 
 
 def measure_statistics(model_name: str, lengths: list[int], repeats: int) -> list[dict]:
@@ -258,6 +272,8 @@ def speed_table(rows: list[dict], title: str):
             case = f"{case}, {row['length']} tokens"
         if row["measure"] == "sweep":
             case += ", identical results" if row["identical_results"] else ", RESULTS DIFFER"
+        if row["measure"] == "overhead":
+            case += f" ({row['hf_step_ops']:.0f} / {row['evalkit_step_ops']:.0f} ATen ops a step: HF / evalkit)"
         table.add_row(row["measure"], case, baseline, _shown(row, base_key), _shown(row, own_key),
                       f"{row['ratio']:.2f}", row["target"])
     return table
