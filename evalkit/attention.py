@@ -162,53 +162,55 @@ def causal_statistics(q, k, lse, scaling, counted=()):
     """`attention_statistics` of an unpadded causal prompt, from the attention's own row log-sum-exp
     `lse` [B, H_q, T]: a probability is 2^(log2(e) * (score - lse)), so a tile is one matmul (the
     row's -lse rides along as one more dimension), one exp2 (twice as fast as exp here) and one sum,
-    never a softmax. Each statistic is computed on its own, in tiles of `_STATISTICS_TILE` (queries,
-    keys) that stay in the core's cache, each query tile cut to the rows its mask counts (SnapKV's
-    window is one short tile); keys after a tile's last query are never scored.
+    never a softmax. Each statistic is computed on its own, in `causal_tiles` that stay in the core's
+    cache, cut to the rows its mask counts (SnapKV's window is one short tile).
     q: [B, H_q, T, D], k: [B, H_kv, T, D]; returns one [B, H_kv, T] float32 per mask in `counted`."""
     B, H_q, T, D = q.shape
     H_kv = k.shape[1]
-    if not counted:
-        return []
+    G = H_q // H_kv
     work = torch.promote_types(q.dtype, torch.float32)  # half precisions upcast; float64 (the oracle) stays
     keys = torch.cat([k.to(work), torch.ones(B, H_kv, T, 1, dtype=work, device=k.device)], -1)
     keys = keys.reshape(B * H_kv, T, D + 1)  # [key, 1]
-    # Each query column [log2(e) * scaling * query, -log2(e) * lse]: a column of keys @ queries is log2(p).
-    queries = torch.cat([q.to(work) * (scaling * _LOG2_E), lse[..., None].to(work) * -_LOG2_E], -1)
-    return [_causal_statistic(keys, queries.view(B, H_kv, H_q // H_kv, T, D + 1), mask) for mask in counted]
+    stats = []
+    for mask in counted:
+        total = torch.zeros(B, H_kv, T, dtype=torch.float32, device=q.device)
+        for qs, qe, key_ranges in causal_tiles(mask.any(0).nonzero()[:, 0].tolist(), T):
+            t = qe - qs
+            # A KV head's G query heads as the columns of one matmul: keys [n, D + 1] @ queries [D + 1, G * t],
+            # each column [log2(e) * scaling * query, -log2(e) * lse], so that a product is log2(p).
+            columns = torch.cat([q[:, :, qs:qe].to(work) * (scaling * _LOG2_E),
+                                 lse[:, :, qs:qe, None].to(work) * -_LOG2_E], -1)
+            columns = columns.reshape(B * H_kv, G * t, D + 1).transpose(1, 2).contiguous()
+            rows_here = mask[:, qs:qe]  # [B, t]
+            weight = None if bool(rows_here.all()) else \
+                rows_here[:, None, None].expand(B, 1, G, t).reshape(B, 1, G * t, 1).to(work)
+            for ks, ke in key_ranges:
+                n = ke - ks
+                probs = torch.bmm(keys[:, ks:ke], columns)  # [B * H_kv, n, G * t]: log2 of each probability
+                after = max(ks, qs + 1)  # keys from here on come after some query of the tile
+                if ke > after:
+                    future = torch.arange(after, ke, device=q.device)[:, None] > torch.arange(qs, qe, device=q.device)
+                    probs.view(-1, n, G, t)[:, after - ks:].masked_fill_(future[:, None, :], float("-inf"))
+                probs = probs.exp2_().view(B, H_kv, n, G * t)
+                if weight is None:
+                    total[..., ks:ke] += probs.sum(-1)
+                else:
+                    total[..., ks:ke] += torch.matmul(probs, weight).squeeze(-1)
+        stats.append(total / G)
+    return stats
 
 
-def _causal_statistic(keys, queries, mask):
-    """One `causal_statistics` statistic: keys [B * H_kv, T, D + 1], queries [B, H_kv, G, T, D + 1]
-    (as built there), mask [B, T] the counted queries; returns [B, H_kv, T] float32."""
-    B, H_kv, G, T, _ = queries.shape
-    total = torch.zeros(B, H_kv, T, dtype=torch.float32, device=keys.device)
-    counted_rows = mask.any(0).nonzero()[:, 0].tolist()
+def causal_tiles(counted_rows: list[int], T: int):
+    """The tiles of `causal_statistics` for queries `counted_rows` (ascending) of a T-token prompt:
+    (first query, end, [(first key, end), ...]) per tile of `_STATISTICS_TILE` (queries, keys), each
+    query tile cut to its counted rows, keys after its last query left out."""
     query_tile, key_tile = _STATISTICS_TILE
     for tile in range(0, T, query_tile):
         first, end = bisect.bisect_left(counted_rows, tile), bisect.bisect_left(counted_rows, tile + query_tile)
         if first == end:
             continue
-        qs, qe = counted_rows[first], counted_rows[end - 1] + 1  # the tile cut to its counted rows
-        t = qe - qs
-        # A KV head's G query heads as the columns of one matmul: keys [n, D + 1] @ queries [D + 1, G * t].
-        columns = queries[:, :, :, qs:qe].reshape(B * H_kv, G * t, -1).transpose(1, 2).contiguous()
-        rows_here = mask[:, qs:qe]  # [B, t]
-        weight = None if bool(rows_here.all()) else rows_here[:, None, None].expand(B, 1, G, t).reshape(B, 1, G * t, 1)
-        for ks in range(0, qe, key_tile):
-            ke = min(qe, ks + key_tile)
-            n = ke - ks
-            probs = torch.bmm(keys[:, ks:ke], columns)  # [B * H_kv, n, G * t]: log2 of each probability
-            after = max(ks, qs + 1)  # keys from here on come after some query of the tile
-            if ke > after:
-                future = torch.arange(after, ke, device=keys.device)[:, None] > torch.arange(qs, qe, device=keys.device)
-                probs.view(-1, n, G, t)[:, after - ks:].masked_fill_(future[:, None, :], float("-inf"))
-            probs = probs.exp2_().view(B, H_kv, n, G * t)
-            if weight is None:
-                total[..., ks:ke] += probs.sum(-1)
-            else:
-                total[..., ks:ke] += torch.matmul(probs, weight.to(probs.dtype)).squeeze(-1)
-    return total / G
+        qs, qe = counted_rows[first], counted_rows[end - 1] + 1
+        yield qs, qe, [(ks, min(qe, ks + key_tile)) for ks in range(0, qe, key_tile)]
 
 
 def attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window=None, counted=(), keys_in_order=False):

@@ -155,21 +155,20 @@ def measure_statistics(model_name: str, lengths: list[int], repeats: int) -> lis
 def causal_scores_alone(config, length: int):
     """The least an exact pass after the attention must do for H2O's column sums: every layer's
     causal (query, key) scores, in `causal_statistics`' tiles and shapes, and nothing else."""
-    from evalkit.attention import _STATISTICS_TILE
+    from evalkit.attention import causal_tiles
 
     H_q, H_kv = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // H_q
     G = H_q // H_kv
-    query_tile, key_tile = _STATISTICS_TILE
+    tiles = list(causal_tiles(list(range(length)), length))  # H2O counts every query
     keys = torch.randn(H_kv, length, D + 1)  # [key, 1] rows, as causal_statistics builds them
-    queries = torch.randn(H_kv, D + 1, G * query_tile)
+    queries = torch.randn(H_kv, D + 1, G * max(qe - qs for qs, qe, _ in tiles))
 
     def call():
         for _ in range(config.num_hidden_layers):
-            for qs in range(0, length, query_tile):
-                qe = min(length, qs + query_tile)
-                for ks in range(0, qe, key_tile):
-                    torch.bmm(keys[:, ks:min(qe, ks + key_tile)], queries[..., :G * (qe - qs)])
+            for qs, qe, key_ranges in tiles:
+                for ks, ke in key_ranges:
+                    torch.bmm(keys[:, ks:ke], queries[..., :G * (qe - qs)])
     return call
 
 
