@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +54,20 @@ class PromptRecord:
 
     statistics: list[tuple[str, int]]  # (collect, window) pairs, e.g. ("attention", 0), ("window", 32)
     layers: dict[int, tuple[torch.Tensor, torch.Tensor, dict]] = field(default_factory=dict)
+
+
+@dataclass
+class CellPlans:
+    """A forward shared by several cells (`joint_decode`): rows `parts[i][0]` belong to cell i and attend
+    over its own cache with its own plan, exactly as that cell's own forward would."""
+
+    parts: list[tuple[slice, ForwardPlan]]
+    seconds: list[float]  # per cell: time spent in its own attention (and statistics), all layers
+
+    @classmethod
+    def of(cls, plans: list[ForwardPlan], rows: list[int]) -> "CellPlans":
+        ends = [sum(rows[:i + 1]) for i in range(len(rows))]
+        return cls([(slice(end - n, end), plan) for end, n, plan in zip(ends, rows, plans)], [0.0] * len(plans))
 
 
 def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0):
@@ -267,6 +282,8 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError("the evalkit attention runs only inside evalkit's generation loop")
     plan = evalkit_plan
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if isinstance(plan, CellPlans):
+        return _cells_attention(module, query, key, value, plan, scaling, sliding_window), None
     if plan.record is not None:
         return _recorded_prompt_attention(module.layer_idx, query, key, value, plan, scaling, sliding_window), None
     layer = plan.cache.layers[module.layer_idx]
@@ -287,6 +304,17 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan.collect is not None:
         store_statistic(layer, view.index, plan.collect, stats, plan.valid)
     return out, None
+
+
+def _cells_attention(module, query, key, value, plans: CellPlans, scaling, sliding_window):
+    """Each cell's rows through its own attention; outputs [B, T, H_q, D] back in row order."""
+    outs = []
+    for cell, (rows, plan) in enumerate(plans.parts):
+        begun = time.perf_counter()
+        outs.append(_evalkit_attention(module, query[rows], key[rows], value[rows], None, scaling,
+                                       evalkit_plan=plan, sliding_window=sliding_window)[0])
+        plans.seconds[cell] += time.perf_counter() - begun
+    return torch.cat(outs)
 
 
 def _prompt_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):

@@ -1,7 +1,7 @@
 """The generation loop: prefill (compressing as the policy says), then decode, with our own cache.
 
-Read top to bottom: `generate` → `prefill` → `compress` → `decode`. Every forward
-passes true `position_ids`, so eviction never shifts a token's position.
+Read: `generate` → `start` (`prefill`, `compress`) → `Decoding` (a step: pick the tokens, `forward`
+them, evict). Every forward passes true `position_ids`, so eviction never shifts a token's position.
 Teacher forcing through the same cache: `score_continuations` (a continuation's
 log-probabilities after its prompt was compressed) and `score_rolling` (streaming
 log-likelihood of a whole text, compressed after every chunk).
@@ -89,22 +89,32 @@ def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False)
     With `all_logits`, the logits of every fed position instead: [B, T, V] float32, left on the
     model's device (they can be large); row b's new tokens are its last counts[b] columns.
     """
+    ids, positions, plan, counts = forward_inputs(state, tokens)
+    out = state.model(input_ids=ids, position_ids=positions, use_cache=False,
+                      logits_to_keep=0 if all_logits else 1, evalkit_plan=plan)
+    fed(state, counts)
+    if all_logits:
+        return out.logits.float(), counts
+    return out.logits[:, -1].float().cpu(), counts
+
+
+def forward_inputs(state: LoopState, tokens: list[list[int]]):
+    """(ids [B, T], positions [B, T] on the model's device, the layers' ForwardPlan, counts [B]) of a forward."""
     device = state.model.device
     ids, valid, positions = left_padded(tokens, state.seen)
     plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
                        state.policy.observation_window, state.attend_filter, state.attended, state.available,
                        state.settings.kernels, state.record)
-    out = state.model(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
-                      logits_to_keep=0 if all_logits else 1, evalkit_plan=plan)
-    counts = valid.sum(1)
+    return ids.to(device), positions.to(device), plan, valid.sum(1)
+
+
+def fed(state: LoopState, counts: torch.Tensor) -> None:
+    """Account for a forward that fed `counts` [B] tokens per sequence."""
     state.seen += counts
     if state.collect is not None:
         state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
     if state.observe:
         state.observe("forward", state.cache)
-    if all_logits:
-        return out.logits.float(), counts
-    return out.logits[:, -1].float().cpu(), counts
 
 
 def left_padded(tokens: list[list[int]], seen: torch.Tensor):
@@ -187,33 +197,50 @@ def _stop_text(text: str, stops: tuple[str, ...]) -> str | None:
     return text[: min(cuts)] if cuts else None
 
 
-def decode(state: LoopState, logits: torch.Tensor, requests: list[Request], tokenizer, eos_ids: set[int],
-           cap: torch.Tensor, evict: bool) -> tuple[list[list[int]], list[str]]:
-    """Generate until EOS, a stop string or max new tokens; evict down to `cap` [L, B] after each step."""
-    B = len(requests)
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    texts: list[str | None] = [None] * B
-    generator = torch.Generator().manual_seed(state.settings.seed)
-    while True:
-        chosen = _next_tokens(logits, state.settings.temperature, generator).tolist()
+class Decoding:
+    """One batch under one policy and budget, from the end of its prefill to its last token.
+
+    `generate` steps one; `joint_decode.generate_cells` steps several (a sweep's cells) through one
+    forward per step. A step: `next_tokens` picks each sequence's token from the last logits (None once
+    every sequence is done), the caller feeds them, `advance` takes the new logits and evicts down to
+    `cap` [L, B] (decode eviction).
+    """
+
+    def __init__(self, state: LoopState, requests: list[Request], tokenizer, logits: torch.Tensor,
+                 cap: torch.Tensor, evict: bool):
+        self.state, self.requests, self.tokenizer = state, requests, tokenizer
+        self.logits, self.cap, self.evict = logits, cap, evict
+        self.eos_ids = _eos_ids(state.model, tokenizer)
+        self.outputs: list[list[int]] = [[] for _ in requests]
+        self.texts: list[str | None] = [None] * len(requests)
+        self.generator = torch.Generator().manual_seed(state.settings.seed)
+
+    def next_tokens(self) -> list[list[int]] | None:
+        """The next token to feed each sequence, or None once every sequence has finished (EOS, a stop
+        string or max new tokens). Finished sequences keep feeding their last token; their outputs are
+        no longer read."""
+        chosen = _next_tokens(self.logits, self.state.settings.temperature, self.generator).tolist()
         for b, token in enumerate(chosen):
-            if texts[b] is not None:
+            if self.texts[b] is not None:
                 continue
-            request = requests[b]
-            if token in eos_ids:
-                texts[b] = _text(tokenizer, outputs[b])
+            request, output = self.requests[b], self.outputs[b]
+            if token in self.eos_ids:
+                self.texts[b] = _text(self.tokenizer, output)
                 continue
-            outputs[b].append(token)
+            output.append(token)
             if request.stop:
-                texts[b] = _stop_text(_text(tokenizer, outputs[b]), request.stop)
-            if texts[b] is None and len(outputs[b]) >= request.max_new_tokens:
-                texts[b] = _text(tokenizer, outputs[b])
-        if all(t is not None for t in texts):
-            return outputs, texts
-        # Finished sequences keep feeding their last token; their outputs are no longer read.
-        logits, _ = forward(state, [[token] for token in chosen])
-        if evict:
-            compress(state, cap)
+                self.texts[b] = _stop_text(_text(self.tokenizer, output), request.stop)
+            if self.texts[b] is None and len(output) >= request.max_new_tokens:
+                self.texts[b] = _text(self.tokenizer, output)
+        if all(t is not None for t in self.texts):
+            return None
+        return [[token] for token in chosen]
+
+    def advance(self, logits: torch.Tensor) -> None:
+        """Take the logits of the tokens just fed; evict (decode eviction)."""
+        self.logits = logits
+        if self.evict:
+            compress(self.state, self.cap)
 
 
 @torch.inference_mode()
@@ -221,6 +248,18 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
              observe: Observer | None = None, shared: SharedPrefill | None = None) -> list[Generation]:
     """Generate answers for a batch of requests under one policy and budget; with `shared`, from a
     prefill of the same requests shared with other cells (full prefill only)."""
+    with evalkit_attention(model):
+        run = start(model, tokenizer, requests, settings, observe, shared)
+        begun = time.perf_counter()
+        while (tokens := run.decoding.next_tokens()) is not None:
+            logits, _ = forward(run.decoding.state, tokens)
+            run.decoding.advance(logits)
+    return run.generations(time.perf_counter() - begun)
+
+
+def start(model, tokenizer, requests: list[Request], settings: GenerationSettings,
+          observe: Observer | None = None, shared: SharedPrefill | None = None) -> "Started":
+    """Prefill (compressing as the policy says) and get ready to decode; call inside `evalkit_attention`."""
     policy = settings.policy
     compressed, appended = split_prompts(requests, settings.query_aware)
     if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
@@ -229,33 +268,42 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
     state = _new_state(model, settings, lengths, budgets, extra + max_new, observe)
-    cache = state.cache
-    eos_ids = _eos_ids(model, tokenizer)
 
-    with evalkit_attention(model):
-        start = time.perf_counter()
-        decode_evicts = bool(evicting.any()) and settings.decode_eviction
-        decode_collect = policy.collect_decode if decode_evicts else None
-        state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        logits = prefill(state, compressed, appended, budgets, decode_collect, shared)
-        prefill_seconds = time.perf_counter() - start + (shared.seconds if shared is not None else 0.0)
-        kept = cache.kept_tokens().float().mean(dim=(0, 2))
-        held, ideal = cache.bytes_held(), cache.bytes_ideal()
+    begun = time.perf_counter()
+    decode_evicts = bool(evicting.any()) and settings.decode_eviction
+    decode_collect = policy.collect_decode if decode_evicts else None
+    state.collect = policy.collect_prefill if bool(evicting.any()) else None
+    logits = prefill(state, compressed, appended, budgets, decode_collect, shared)
+    prefill_seconds = time.perf_counter() - begun + (shared.seconds if shared is not None else 0.0)
 
-        start = time.perf_counter()
-        state.collect = decode_collect
-        _restrict_reads(state, budget, lengths, extra)
-        outputs, texts = decode(state, logits, requests, tokenizer, eos_ids, budgets + extra, decode_evicts)
-        decode_seconds = time.perf_counter() - start
+    state.collect = decode_collect
+    _restrict_reads(state, budget, lengths, extra)
+    return Started(Decoding(state, requests, tokenizer, logits, budgets + extra, decode_evicts),
+                   lengths + extra, state.cache.kept_tokens().float().mean(dim=(0, 2)), state.cache.bytes_held(),
+                   state.cache.bytes_ideal(), prefill_seconds)
 
-    timing = {"prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds,
-              "prompt_tokens": int((lengths + extra).sum()), "new_tokens": sum(len(o) for o in outputs)}
-    read = torch.where(state.available > 0, state.attended / state.available.clamp(min=1), 1.0)
-    return [
-        Generation(outputs[b], texts[b], int(lengths[b] + extra[b]), float(kept[b]), int(held[b]), int(ideal[b]),
-                   int(lengths[b] + extra[b]) * cache.bytes_per_token(), float(read[b]), timing)
-        for b in range(len(requests))
-    ]
+
+@dataclass
+class Started:
+    """A batch whose prefill is done: its decoding, and what its `Generation`s report about the prefill."""
+
+    decoding: Decoding
+    prompt_tokens: torch.Tensor  # [B] compressed + appended
+    kept: torch.Tensor  # [B] mean tokens per layer and KV head after prefill
+    held: torch.Tensor  # [B] KV bytes allocated after prefill
+    ideal: torch.Tensor  # [B] KV bytes of the tokens kept
+    prefill_seconds: float
+
+    def generations(self, decode_seconds: float) -> list[Generation]:
+        d, state = self.decoding, self.decoding.state
+        timing = {"prefill_seconds": self.prefill_seconds, "decode_seconds": decode_seconds,
+                  "prompt_tokens": int(self.prompt_tokens.sum()), "new_tokens": sum(len(o) for o in d.outputs)}
+        read = torch.where(state.available > 0, state.attended / state.available.clamp(min=1), 1.0)
+        per_token = state.cache.bytes_per_token()
+        return [Generation(d.outputs[b], d.texts[b], int(self.prompt_tokens[b]), float(self.kept[b]),
+                           int(self.held[b]), int(self.ideal[b]), int(self.prompt_tokens[b]) * per_token,
+                           float(read[b]), timing)
+                for b in range(len(d.requests))]
 
 
 @dataclass

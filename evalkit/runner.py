@@ -28,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
 from evalkit.generate import GenerationSettings, Request, generate, score_rolling
+from evalkit.joint_decode import generate_cells
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
@@ -196,9 +197,10 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
             batch_size = group[0].config.batch_size
             for start in range(0, len(todo), batch_size):
                 batch = todo[start:start + batch_size]
-                shared = plan.share(batch, [cell.settings for cell in group]) if len(group) > 1 else None
-                for cell in group:
-                    for record in plan.evaluate(batch, cell.settings, shared):
+                settings = [cell.settings for cell in group]
+                shared = plan.share(batch, settings) if len(group) > 1 else None
+                for cell, records in zip(group, plan.evaluate(batch, settings, shared)):
+                    for record in records:
                         if not cell.run_dir.config_path.exists():
                             # Created with the first finished sample: input refused by the first batch
                             # (an exhausted page pool, say) leaves no run folder behind.
@@ -248,12 +250,13 @@ class WritesArtifacts(Protocol):
 
 @dataclass
 class _Plan:
-    """What a run evaluates and how: the samples, each one's model input, a batch's records under some
-    settings (from a shared prefill, if given), the run's metrics; and how to share a batch's prefill."""
+    """What a run evaluates and how: the samples, each one's model input, a batch's records under each of
+    some cells' settings (from a shared prefill, if given), the run's metrics; and how to share a batch's
+    prefill."""
 
     samples: list[Sample]
     inputs: list
-    evaluate: Callable[[list[tuple[Sample, Any]], GenerationSettings, SharedPrefill | None], list[dict]]
+    evaluate: Callable[[list[tuple[Sample, Any]], list[GenerationSettings], SharedPrefill | None], list[list[dict]]]
     summarize: Callable[[list[dict]], dict]
     share: Callable[[list[tuple[Sample, Any]], list[GenerationSettings]], SharedPrefill | None] = \
         lambda batch, settings: None
@@ -280,7 +283,14 @@ def _generation_plan(task: Task, config: RunConfig, model, tokenizer) -> _Plan:
         statistics = {statistic_key(s.policy, s.policy.collect_prefill) for s in cells} - {None}
         return share_prefill(model, requests(batch), cells[0].query_aware, statistics)
 
-    def evaluate(batch, settings: GenerationSettings, shared: SharedPrefill | None) -> list[dict]:
+    def evaluate(batch, cells: list[GenerationSettings], shared: SharedPrefill | None) -> list[list[dict]]:
+        if shared is None:
+            generations = [generate(model, tokenizer, requests(batch), settings) for settings in cells]
+        else:  # the cells decode together (joint_decode)
+            generations = generate_cells(model, tokenizer, requests(batch), cells, shared)
+        return [records(batch, cell) for cell in generations]
+
+    def records(batch, generations) -> list[dict]:
         return [{
             "id": sample.id, "prompt_tokens": gen.prompt_tokens, "prediction": gen.text,
             "references": sample.references, "score": task.score(gen.text, sample.references),
@@ -290,7 +300,7 @@ def _generation_plan(task: Task, config: RunConfig, model, tokenizer) -> _Plan:
             "meta": sample.meta,
             # Batch-wide timings, divided evenly so sums over records stay right.
             **{key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
-        } for (sample, _), gen in zip(batch, generate(model, tokenizer, requests(batch), settings, shared=shared))]
+        } for (sample, _), gen in zip(batch, generations)]
 
     def summarize(records: list[dict]) -> dict:
         return {**aggregate(records), "metric": task.metric, "higher_is_better": True}
@@ -312,7 +322,10 @@ def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer) -> _
             raise EvalkitError(f"passage {sample.id} has only {len(ids)} tokens, fewer than --length {config.length}")
         passages.append(ids)
 
-    def evaluate(batch: list[tuple[Sample, list[int]]], settings: GenerationSettings, shared: None) -> list[dict]:
+    def evaluate(batch: list[tuple[Sample, list[int]]], cells: list[GenerationSettings], shared: None) -> list[list[dict]]:
+        return [evaluate_one(batch, settings) for settings in cells]
+
+    def evaluate_one(batch: list[tuple[Sample, list[int]]], settings: GenerationSettings) -> list[dict]:
         start = time.perf_counter()
         scores = score_rolling(model, [ids for _, ids in batch], [len(ids) - chunk for _, ids in batch], settings)
         seconds = (time.perf_counter() - start) / len(batch)  # batch-wide, divided evenly

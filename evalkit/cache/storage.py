@@ -276,9 +276,10 @@ class PagedLayer(SlotLayer):
         dead = ~page_live[table]
         if not bool(dead.any()):
             return
+        live = page_live.tolist()  # read per page below: a list, not a tensor op per page
         for b, h in dead.any(-1).nonzero().tolist():
-            gone = [p for p in self.tables[b][h] if not page_live[p]]
-            self.tables[b][h] = [p for p in self.tables[b][h] if page_live[p]]
+            gone = [p for p in self.tables[b][h] if not live[p]]
+            self.tables[b][h] = [p for p in self.tables[b][h] if live[p]]
             self.pool.free(gone)
         self._index = None
 

@@ -1,0 +1,149 @@
+"""A sweep's cells decoding together: one forward per step for every cell.
+
+The cells of a sweep (policy, budget, ...) decode the same prompts from their own caches after a
+shared prefill (`shared_prefill`). Their weights are the same, so `generate_cells` feeds every
+cell's next tokens through one forward: each cell's rows attend over its own cache with its own
+plan (`attention.CellPlans`), and every `nn.Linear` computes a cell's rows as one entry of a
+batched matmul (`cellwise_linears`) — bit for bit what the cell's own forward computes, where one
+matmul over all cells' rows would not be (a row's result depends on how many rows the kernel is
+given: 25 rows at once differ from one at a time in the last bits). Before cells decode together,
+probes check exactly that on this model, device and shapes (`_model_rows_apart`, `_linears_apart`);
+where they fail (rows that meet outside `nn.Linear`, a device whose batched kernels differ) cells
+decode one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+
+import torch
+
+from evalkit.attention import CellPlans, evalkit_attention
+from evalkit.generate import Generation, GenerationSettings, Request, fed, forward, forward_inputs, start
+from evalkit.shared_prefill import SharedPrefill
+
+# model -> {("model", rows per cell) or (linear shape..., cells, rows per cell): bool}, probed once each
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def generate_cells(model, tokenizer, requests: list[Request], cells: list[GenerationSettings],
+                   shared: SharedPrefill) -> list[list[Generation]]:
+    """`generate(model, tokenizer, requests, settings, shared=shared)` for every settings in `cells`,
+    the same generations, decoded together. A cell's `decode_seconds` is the time of its own work (token
+    choice, attention, eviction) plus an even share of each joint forward's rest."""
+    batch = len(requests)
+    joint_possible = len(cells) > 1 and _model_rows_apart(model, batch)
+    with evalkit_attention(model):
+        runs = [start(model, tokenizer, requests, settings, shared=shared) for settings in cells]
+        seconds = [0.0] * len(runs)
+        active = list(range(len(runs)))
+        while active:
+            tokens = {}
+            for i in active:
+                begun = time.perf_counter()
+                tokens[i] = runs[i].decoding.next_tokens()
+                seconds[i] += time.perf_counter() - begun
+            active = [i for i in active if tokens[i] is not None]
+            if joint_possible and len(active) > 1 and _linears_apart(model, len(active), batch):
+                begun = time.perf_counter()
+                logits, own = forward_cells([runs[i].decoding.state for i in active], [tokens[i] for i in active])
+                rest = (time.perf_counter() - begun - sum(own)) / len(active)
+                for i, cell_logits, own_seconds in zip(active, logits, own):
+                    begun = time.perf_counter()
+                    runs[i].decoding.advance(cell_logits)
+                    seconds[i] += own_seconds + rest + time.perf_counter() - begun
+                continue
+            for i in active:
+                begun = time.perf_counter()
+                logits, _ = forward(runs[i].decoding.state, tokens[i])
+                runs[i].decoding.advance(logits)
+                seconds[i] += time.perf_counter() - begun
+    return [run.generations(s) for run, s in zip(runs, seconds)]
+
+
+def forward_cells(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:
+    """One forward feeding cell i (`states[i]`) its rows `tokens[i]`, one token each: each cell's
+    last-token logits [B, V] as its own `generate.forward` gives them, and the seconds each spent in its
+    own attention."""
+    inputs = [forward_inputs(state, rows) for state, rows in zip(states, tokens)]
+    plans = CellPlans.of([plan for _, _, plan, _ in inputs], [len(rows) for rows in tokens])
+    model = states[0].model
+    with cellwise_linears(model, len(states)):
+        out = model(input_ids=torch.cat([ids for ids, _, _, _ in inputs]),
+                    position_ids=torch.cat([positions for _, positions, _, _ in inputs]),
+                    use_cache=False, logits_to_keep=1, evalkit_plan=plans)
+    for state, (_, _, _, counts) in zip(states, inputs):
+        fed(state, counts)
+    logits = out.logits[:, -1].float().cpu()
+    return [logits[rows] for rows, _ in plans.parts], plans.seconds
+
+
+def _linears(model) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@contextlib.contextmanager
+def cellwise_linears(model, cells: int):
+    """Inside the block, every plain `nn.Linear` of `model` splits its input's rows into `cells` equal
+    groups, in order, and computes each group as one entry of a batched matmul."""
+    linears = _linears(model)
+    for linear in linears:
+        linear.forward = functools.partial(_cellwise_linear, linear, cells)
+    try:
+        yield
+    finally:
+        for linear in linears:
+            del linear.forward
+
+
+def _cellwise_linear(linear: torch.nn.Linear, cells: int, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(cells, -1, x.shape[-1])  # [cells, rows of a cell, in]
+    weight = linear.weight.t().expand(cells, -1, -1)  # [cells, in, out], never copied
+    if linear.bias is None:
+        out = torch.bmm(rows, weight)
+    else:
+        out = torch.baddbmm(linear.bias.expand(cells, rows.shape[1], -1), rows, weight)
+    return out.view(*x.shape[:-1], -1)
+
+
+def _model_rows_apart(model, batch: int) -> bool:
+    """Probe (once per model and batch): two cells' one-token rows, through the model's own attention,
+    jointly and one cell at a time. Fails where rows meet outside plain `nn.Linear` (GPT-2's Conv1D, a
+    linear wrapped by hooks)."""
+    verdicts = _VERDICTS.setdefault(model, {})
+    key = ("model", batch)
+    if key not in verdicts:
+        if any("forward" in vars(linear) for linear in _linears(model)):
+            verdicts[key] = False  # a forward already wrapped (accelerate's hooks): leave it alone
+        else:
+            ids = (torch.arange(2 * batch) * 7919 % model.config.vocab_size)[:, None].to(model.device)
+            with torch.inference_mode():
+                with cellwise_linears(model, 2):
+                    joint = model(input_ids=ids, use_cache=False).logits
+                own = torch.cat([model(input_ids=ids[:batch], use_cache=False).logits,
+                                 model(input_ids=ids[batch:], use_cache=False).logits])
+            verdicts[key] = torch.equal(joint, own)
+    return verdicts[key]
+
+
+def _linears_apart(model, cells: int, batch: int) -> bool:
+    """Probe (once per model, linear shape and cell count): each linear shape's batched matmul against
+    its own per-cell product, on random rows."""
+    verdicts = _VERDICTS.setdefault(model, {})
+    shapes = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): m for m in _linears(model)}
+    generator = torch.Generator().manual_seed(0)
+    for shape, linear in shapes.items():
+        key = (*shape, cells, batch)
+        if key not in verdicts:
+            x = torch.randn(cells, batch, linear.in_features, generator=generator).to(linear.weight)
+            with torch.inference_mode():
+                own = torch.stack([torch.nn.functional.linear(x[c], linear.weight, linear.bias) for c in range(cells)])
+                joint = _cellwise_linear(linear, cells, x.view(cells * batch, 1, -1)).view(cells, batch, -1)
+            verdicts[key] = torch.equal(own, joint)
+        if not verdicts[key]:
+            return False
+    return True

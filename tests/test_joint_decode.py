@@ -1,0 +1,144 @@
+"""A sweep's cells decoding together (docs/sweeps.md, "Cells decode together"): one forward per step
+for every cell gives each cell, bit for bit, the logits its own forward gives; `generate_cells` gives
+every cell the generations `generate` gives it; where the probes say rows would not stay apart, the
+cells decode one by one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import evalkit.joint_decode as joint_decode
+from evalkit.attention import evalkit_attention
+from evalkit.generate import GenerationSettings, Request, forward, generate, start
+from evalkit.joint_decode import forward_cells, generate_cells
+from evalkit.policies import make_policy
+from evalkit.shared_prefill import share_prefill, statistic_key
+
+POLICIES = ["full", "h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
+            "pyramidkv_head", "adakv_snapkv", "quest", "random"]
+
+
+def wide_model(arch: str):
+    """A 2-layer random model as wide as the default one (576): at the tiny test models' width a matmul's
+    rows may come out the same however many are batched, and the test could not tell."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    config = tiny_config(arch)
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 576, 1536, 9
+    config.num_key_value_heads, config.vocab_size = 3, 2048
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def batch_of(size: int, gen: torch.Generator) -> list[Request]:
+    return [Request(torch.randint(0, 2048, (60 + 17 * b,), generator=gen).tolist(),
+                    torch.randint(0, 2048, (5,), generator=gen).tolist(), 8) for b in range(size)]
+
+
+def cells_of(query_aware: bool) -> list[GenerationSettings]:
+    return [GenerationSettings(policy=make_policy(name), budget=budget, layout=layout, block_size=4,
+                               query_aware=query_aware)
+            for name in POLICIES for budget in (0.25, 0.5) for layout in ("paged", "dense")]
+
+
+def shared_prefill(model, batch, cells, query_aware):
+    return share_prefill(model, batch, query_aware,
+                         {statistic_key(c.policy, c.policy.collect_prefill) for c in cells} - {None})
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["llama", "qwen2 (biased projections)"])
+def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arch):
+    model = wide_model(arch)
+    batch = batch_of(2, torch.Generator().manual_seed(0))
+    cells = cells_of(query_aware=True)[:12]
+    shared = shared_prefill(model, batch, cells, True)
+    with evalkit_attention(model):
+        together = [start(model, None, batch, c, shared=shared).decoding for c in cells]
+        alone = [start(model, None, batch, c, shared=shared).decoding for c in cells]
+        for _ in range(4):  # each step after the previous one's eviction
+            tokens = [d.next_tokens() for d in together]
+            assert tokens == [d.next_tokens() for d in alone]
+            joint, _ = forward_cells([d.state for d in together], tokens)
+            for d, rows, logits in zip(alone, tokens, joint):
+                own, _ = forward(d.state, rows)
+                assert torch.equal(own, logits)
+                d.advance(own)
+            for d, logits in zip(together, joint):
+                d.advance(logits)
+
+
+def test_one_matmul_over_every_cells_rows_would_not_be_exact():
+    """Why the linears go cell by cell: the wide model's plain batched matmul changes a cell's bits."""
+    model = wide_model("llama")
+    linear = model.model.layers[0].mlp.down_proj
+    x = torch.randn(8, 1, linear.in_features, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(linear(x)[:2], linear(x[:2]))
+    with joint_decode.cellwise_linears(model, 4):
+        assert torch.equal(linear(x)[:2], torch.nn.functional.linear(x[:2], linear.weight))
+
+
+@pytest.mark.parametrize("size", [1, 2], ids=["batch 1", "batch 2"])
+@pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
+def test_cells_decoded_together_generate_what_each_generates_alone(query_aware, size, monkeypatch):
+    model = wide_model("qwen2")
+    batch = batch_of(size, torch.Generator().manual_seed(1))
+    cells = cells_of(query_aware)
+    shared = shared_prefill(model, batch, cells, query_aware)
+    joint_steps = []
+    monkeypatch.setattr(joint_decode, "forward_cells",
+                        lambda *a: joint_steps.append(len(a[0])) or forward_cells(*a))
+    together = generate_cells(model, None, batch, cells, shared)
+    assert joint_steps and joint_steps[0] == len(cells)  # the joint path ran
+    for settings, cell in zip(cells, together):
+        for a, b in zip(generate(model, None, batch, settings, shared=shared), cell):
+            assert (a.token_ids, a.text, a.prompt_tokens, a.kept_tokens, a.bytes_held, a.bytes_ideal, a.bytes_full,
+                    a.attended_fraction) == (b.token_ids, b.text, b.prompt_tokens, b.kept_tokens, b.bytes_held,
+                                             b.bytes_ideal, b.bytes_full, b.attended_fraction), settings.policy.name
+
+
+def test_a_cells_decode_seconds_are_its_own_work_plus_a_share_of_the_rest():
+    import time
+
+    model = wide_model("llama")
+    batch = batch_of(1, torch.Generator().manual_seed(2))
+    cells = cells_of(True)[:6]
+    shared = shared_prefill(model, batch, cells, True)
+    begun = time.perf_counter()
+    together = generate_cells(model, None, batch, cells, shared)
+    wall = time.perf_counter() - begun
+    decode = [cell[0].timing["decode_seconds"] for cell in together]
+    assert all(s > 0 for s in decode) and sum(decode) <= wall
+
+
+def test_a_model_whose_rows_meet_outside_its_linears_decodes_cells_one_by_one(monkeypatch):
+    """A batch-wide operation (here: the final norm nudged by the batch mean) fails the model probe."""
+    model = wide_model("llama")
+    norm = model.model.norm
+
+    class BatchMeanNorm(torch.nn.Module):
+        def forward(self, x):
+            return norm(x) + 1e-3 * x.mean(0, keepdim=True)
+
+    model.model.norm = BatchMeanNorm()
+    batch = batch_of(1, torch.Generator().manual_seed(3))
+    cells = cells_of(True)[:6]
+    shared = shared_prefill(model, batch, cells, True)
+    monkeypatch.setattr(joint_decode, "forward_cells", lambda *a: pytest.fail("cells decoded together"))
+    together = generate_cells(model, None, batch, cells, shared)
+    assert joint_decode._VERDICTS[model][("model", 1)] is False
+    for settings, cell in zip(cells, together):
+        assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \
+            [g.token_ids for g in cell]
+
+
+def test_linears_whose_batched_kernel_differs_decode_cells_one_by_one(monkeypatch):
+    model = wide_model("llama")
+    exact = joint_decode._cellwise_linear
+    monkeypatch.setattr(joint_decode, "_cellwise_linear", lambda linear, cells, x: exact(linear, cells, x) * (1 + 1e-6))
+    assert not joint_decode._linears_apart(model, 3, 1)
+    monkeypatch.setattr(joint_decode, "_cellwise_linear", exact)
+    assert joint_decode._linears_apart(model, 4, 1)
