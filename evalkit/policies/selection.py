@@ -36,16 +36,23 @@ def _drop_at_most_one(scores, positions, seen, budget, sink_tokens, recent) -> t
     excess = live.sum(-1) - budget[:, None]  # [B, H]
     if int(excess.max()) > 1:
         return None
+    over = (excess > 0)[..., None]  # [B, H, 1] heads that lose a token
     recent = torch.zeros_like(seen) if recent is None else recent
-    sink = live & (positions < sink_tokens)
-    protected = live & (positions >= (seen - recent)[:, None, None])
-    tier, secondary = _keep_order(scores.float(), live, sink, protected, positions)
-    tier = tier.masked_fill(~live, -1)
-    last = live & (tier == tier.amax(-1, keepdim=True))
-    secondary = secondary.masked_fill(~last, NEG_INF)
-    last &= secondary == secondary.amax(-1, keepdim=True)
+    ranked = live & (positions >= sink_tokens) & (positions < (seen - recent)[:, None, None])
+    if bool((ranked.any(-1, keepdim=True) | ~over).all()):
+        # The usual case: every head that loses a token holds an unprotected one, and the lowest score leaves.
+        score = scores.float().masked_fill(~ranked, float("inf"))
+        last = ranked & (score == score.amin(-1, keepdim=True))
+    else:  # some head holds only protected tokens: the whole keep order decides
+        sink = live & (positions < sink_tokens)
+        protected = live & (positions >= (seen - recent)[:, None, None])
+        tier, secondary = _keep_order(scores.float(), live, sink, protected, positions)
+        tier = tier.masked_fill(~live, -1)
+        last = live & (tier == tier.amax(-1, keepdim=True))
+        secondary = secondary.masked_fill(~last, NEG_INF)
+        last &= secondary == secondary.amax(-1, keepdim=True)
     last &= positions == torch.where(last, positions, -1).amax(-1, keepdim=True)  # ties: the later position
-    return live & ~(last & (excess > 0)[..., None])
+    return live & ~(last & over)
 
 
 def _keep_order(scores, present, sink, protected, index):
