@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.nn.functional as F
 
 from evalkit.attention import ForwardPlan, PromptRecord, evalkit_attention
 from evalkit.cache import KVCache, model_kv_shape
@@ -137,20 +138,29 @@ def compress(state: LoopState, budgets: torch.Tensor) -> None:
     """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses.
 
     Tokens fed since the last statistic was collected have no score: a policy that needs one
-    keeps them, as the most recent tokens (docs/policies.md).
+    keeps them, as the most recent tokens (docs/policies.md). Each layer is scored on its own;
+    selection never mixes the rows of a batch, so the layers' rows are selected in one call.
     """
     policy = state.policy
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     recents = torch.minimum(policy.recent_count(budgets) + unscored, budgets)  # [L, B]
+    over = []  # (layer index, layer, slot index, positions, scores; [B, H_kv, N] each) of the layers over budget
     for layer_idx, layer in enumerate(state.cache.layers):
-        budget, recent = budgets[layer_idx], recents[layer_idx]
         view = layer.read()
-        if bool(((view.pos >= 0).sum(-1).cpu() <= budget[:, None]).all()):
+        if bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
             continue
         keys = view.k if policy.reads_keys else None
         scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
-        keep = policy.select(scores.cpu(), view.pos.cpu(), state.seen, budget, state.settings.block_size, recent)
-        layer.evict(view.index, keep.to(view.index.device))
+        over.append((layer_idx, layer, view.index, view.pos, scores))  # not the view: it may hold the keys
+    if over:
+        width = max(pos.shape[-1] for _, _, _, pos, _ in over)  # ragged layers padded with empty slots
+        positions = torch.cat([F.pad(pos, (0, width - pos.shape[-1]), value=-1) for _, _, _, pos, _ in over])
+        scores = torch.cat([F.pad(scores, (0, width - scores.shape[-1])) for _, _, _, _, scores in over])
+        chosen = [layer_idx for layer_idx, _, _, _, _ in over]
+        keep = policy.select(scores.cpu(), positions.cpu(), state.seen.repeat(len(over)), budgets[chosen].reshape(-1),
+                             state.settings.block_size, recents[chosen].reshape(-1))  # [layers * B, H_kv, width]
+        for rows, (_, layer, index, _, _) in zip(keep.split(len(state.seen)), over):
+            layer.evict(index, rows[..., :index.shape[-1]].to(index.device))
     if state.observe:
         state.observe("compressed", state.cache)
 
