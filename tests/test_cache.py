@@ -78,6 +78,17 @@ def test_pool_hands_out_the_lowest_free_ids_first():
     assert (pool.num_free, pool.num_used) == (0, 6)
 
 
+def test_pool_continues_a_run_after_a_given_page_while_free_then_takes_the_lowest():
+    pool = BlockPool(8, block_size=4)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3, after=4) == [5, 6, 7]
+    assert pool.allocate(2, after=1) == [2, 3]
+    assert pool.allocate(1, after=7) == [4]  # nothing after page 7: the lowest free
+    assert (pool.num_free, pool.free_pages()) == (0, [])
+    pool.free([2, 6])
+    assert pool.allocate(2, after=5) == [6, 2] and pool.num_free == 0
+
+
 def test_pool_double_free_raises():
     pool = BlockPool(4, block_size=2)
     pages = pool.allocate(2)
@@ -126,14 +137,15 @@ def test_paged_append_evict_and_hole_reuse():
     assert layer.bytes_held().tolist() == [6 * TOKEN_BYTES]
     assert layer.bytes_ideal().tolist() == [3 * TOKEN_BYTES]
 
-    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 7, then takes the lowest free page: 2
+    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 7, then takes the page after its last
+    # one, 4, free, rather than the lowest free page, 2: its pages stay one run
     k2, v2 = append(layer, [[3, 4]], tag=1)
-    assert layer.tables == [[[0, 1], [3, 2]]]
+    assert layer.tables == [[[0, 1], [3, 4]]]
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 2, 3], [6, 7, 4, 5]]]
+    assert view.index.tolist() == [[[0, 1, 2, 3], [6, 7, 8, 9]]]
     assert view.pos.tolist() == [[[0, 3, 2, 4], [2, 3, 4, -1]]]
     assert torch.equal(layer.k[1], k2[0, 0, 0]) and torch.equal(layer.k[3], k2[0, 0, 1])
-    assert torch.equal(layer.k[7], k2[0, 1, 0]) and torch.equal(layer.v[4], v2[0, 1, 1])
+    assert torch.equal(layer.k[7], k2[0, 1, 0]) and torch.equal(layer.v[8], v2[0, 1, 1])
     assert torch.equal(layer.k[0], k[0, 0, 0]) and torch.equal(layer.k[6], k[0, 1, 2])  # untouched
     assert layer.pool.num_free == 4
 
@@ -221,6 +233,34 @@ def test_paged_pool_too_small_raises_and_changes_nothing():
 
 # --- DenseLayer, exact state -------------------------------------------------------------------
 
+def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathered_copy():
+    """A head whose pages are consecutive ids is read as a strided view of the storage, no copy (decode's
+    K/V read); its padding slots hold other slots' rows, which attention masks: the same output, bit for bit."""
+    from evalkit.attention import attention_reference
+
+    layer = paged(1, 3, pages=30, block=4)
+    append(layer, [list(range(30))])  # 8 pages a head: 0-7, 8-15, 16-23
+    evict_positions(layer, [[list(range(0, 30, 3)), list(range(1, 30, 2)), [4, 5, 6, 7, 8, 9, 10, 11, 12]]])
+    layer.compact()  # heads keep their first pages; the rest go back to the pool
+    for position in (30, 31, 32):  # decode: a head that fills its last page takes the next one, still a run
+        append(layer, [[position]], tag=position)
+    view = layer.read()
+    assert layer._runs == (0, 32)  # heads start at slots 0, 32, 64
+    assert view.k.data_ptr() == layer.k.data_ptr() and view.v._base is layer.v  # views, not copies
+    gathered_k, gathered_v = layer.gather(layer.k, view.index), layer.gather(layer.v, view.index)
+    live = view.pos >= 0
+    assert torch.equal(view.k[live], gathered_k[live]) and torch.equal(view.v[live], gathered_v[live])
+    assert not torch.equal(view.k, gathered_k)  # padding: another head's rows, not the sentinel's zeros
+    q = torch.randn(1, 6, 1, D, generator=torch.Generator().manual_seed(0))
+    q_pos, valid = torch.tensor([[33]]), torch.ones(1, 1, dtype=torch.bool)
+    for collect in (None, "attention"):
+        out, stats = attention_reference(q, q_pos, valid, view.k, view.v, view.pos, 0.3, None, collect)
+        out_copy, stats_copy = attention_reference(q, q_pos, valid, gathered_k, gathered_v, view.pos, 0.3, None, collect)
+        assert torch.equal(out, out_copy) and (collect is None or torch.equal(stats, stats_copy))
+    evict_positions(layer, [[[], [], [13, 14, 15, 16]]])  # head 2's second page empties: no longer a run
+    assert layer.read() is not None and layer._runs is None
+
+
 def test_dense_fills_lowest_free_slot_and_compacts():
     layer = dense(1, 2, capacity=4)
     k, v = append(layer, [[0, 1, 2]])
@@ -264,10 +304,11 @@ def test_dense_padding_is_not_stored():
 # --- random operation sequences against a model ------------------------------------------------
 
 class PagedModel:
-    """Plain-Python paged layout: pool (lowest id first), block tables, page contents, fill order."""
+    """Plain-Python paged layout: pool (the page after a head's last one if free, else the lowest free id),
+    block tables, page contents, fill order."""
 
     def __init__(self, B, H, S, num_pages):
-        self.B, self.H, self.S = B, H, S
+        self.B, self.H, self.S, self.num_pages = B, H, S, num_pages
         self.free = list(range(num_pages))
         self.tables = [[[] for _ in range(H)] for _ in range(B)]
         self.pages = {}  # page id -> [position or None] * S
@@ -287,8 +328,10 @@ class PagedModel:
         for b in range(self.B):
             for h in range(self.H):
                 for _ in range(need[b][h]):
-                    page = self.free.pop(0)
-                    self.tables[b][h].append(page)
+                    table = self.tables[b][h]
+                    after = table[-1] + 1 if table else None  # the page after the head's last one, if free
+                    page = self.free.pop(self.free.index(after) if after in self.free else 0)
+                    table.append(page)
                     self.pages[page] = [None] * self.S
                 holes = [(p, o) for p, o in self.slots(b, h) if self.pages[p][o] is None]
                 for (p, o), position in zip(holes, new[b]):
@@ -306,7 +349,14 @@ class PagedModel:
     def compact(self):
         for b in range(self.B):
             for h in range(self.H):
-                live = self.live(b, h)
+                live, table = self.live(b, h), self.tables[b][h]
+                run = list(range(table[0], table[0] + math.ceil(len(live) / self.S))) if table else []
+                if run and run[-1] < self.num_pages and all(p in table or p in self.free for p in run):
+                    for p in run:  # the head's kept tokens go to one run of pages from its first one
+                        if p in self.free:
+                            self.free.remove(p)
+                            self.pages[p] = [None] * self.S
+                    self.tables[b][h] = run + [p for p in table if p not in run]
                 for i, (p, o) in enumerate(self.slots(b, h)):
                     self.pages[p][o] = live[i] if i < len(live) else None
         self._release()
@@ -368,8 +418,8 @@ def check_paged(layer, model, data, peak, after_compact):
     S, pool = layer.block_size, layer.pool
     # pool bookkeeping
     assert pool.num_free + pool.num_used == pool.num_pages
-    free = sorted(pool._free)
-    assert free == [p for p in range(pool.num_pages) if pool._is_free[p]]
+    free = pool.free_pages()
+    assert set(free) <= set(pool._free)  # every free page can be handed out (the heap may hold taken ones)
     assert free == model.free
     in_tables = [p for row in layer.tables for t in row for p in t]
     assert len(in_tables) == len(set(in_tables)), "a page in two block tables"

@@ -12,36 +12,66 @@ class PoolExhausted(EvalkitError):
 
 
 class BlockPool:
-    """Free list of `num_pages` page ids. The lowest free id is handed out first so runs are reproducible."""
+    """Free list of `num_pages` page ids. A request takes the pages right after a given one while they are
+    free (so a head's pages stay one run of ids), then the lowest free ids: runs are reproducible."""
 
     def __init__(self, num_pages: int, block_size: int):
         self.num_pages = num_pages
         self.block_size = block_size
-        self._free = list(range(num_pages))  # a heap
+        self._free = list(range(num_pages))  # a heap; may still hold pages taken as a run (skipped when popped)
         self._is_free = [True] * num_pages
+        self._num_free = num_pages
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._num_free
 
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
+    def free_pages(self) -> list[int]:
+        return [page for page in range(self.num_pages) if self._is_free[page]]
+
+    def check_room(self, count: int) -> None:
+        if count > self._num_free:
             raise PoolExhausted(
                 f"KV page pool exhausted: asked for {count} more pages of {self.block_size} tokens, "
-                f"{len(self._free)} of {self.num_pages} free (raise --pool-pages or lower the batch size)"
+                f"{self._num_free} of {self.num_pages} free (raise --pool-pages or lower the batch size)"
             )
-        pages = [heapq.heappop(self._free) for _ in range(count)]
-        for page in pages:
+
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """`count` pages: after + 1, after + 2, ... while free (when `after` is given), then the lowest free."""
+        self.check_room(count)
+        pages = []
+        page = self.num_pages if after is None else after + 1
+        while len(pages) < count and page < self.num_pages and self._is_free[page]:
+            pages.append(page)
             self._is_free[page] = False
+            page += 1
+        while len(pages) < count:
+            page = heapq.heappop(self._free)
+            if self._is_free[page]:
+                pages.append(page)
+                self._is_free[page] = False
+        self._num_free -= count
         return pages
+
+    def is_free(self, page: int) -> bool:
+        return self._is_free[page]
+
+    def take(self, pages: list[int]) -> None:
+        """Hand out these free pages (they stay in the heap, skipped when popped)."""
+        for page in pages:
+            if not self._is_free[page]:
+                raise ValueError(f"page {page} is not free")
+            self._is_free[page] = False
+        self._num_free -= len(pages)
 
     def free(self, pages: list[int]) -> None:
         for page in pages:
             if self._is_free[page]:
                 raise ValueError(f"page {page} freed twice")
             self._is_free[page] = True
+            self._num_free += 1
             heapq.heappush(self._free, page)

@@ -35,13 +35,13 @@ class SlotView:
     # Gathered on first use: eviction reads positions and statistics, attention reads K and V.
     @functools.cached_property
     def k(self) -> torch.Tensor:
-        """[B, H_kv, N, D]"""
-        return self.layer.gather(self.layer.k, self.index)
+        """[B, H_kv, N, D]; an empty slot's row is any finite value"""
+        return self.layer.gather_kv(self.layer.k, self.index)
 
     @functools.cached_property
     def v(self) -> torch.Tensor:
-        """[B, H_kv, N, D]"""
-        return self.layer.gather(self.layer.v, self.index)
+        """[B, H_kv, N, D]; an empty slot's row is any finite value"""
+        return self.layer.gather_kv(self.layer.v, self.index)
 
     @functools.cached_property
     def stats(self) -> torch.Tensor:
@@ -97,6 +97,11 @@ class SlotLayer:
         """rows[index] for a per-slot array (k, v, pos, stats) and this layer's `slot_index()`:
         [*index.shape, *rows.shape[1:]]. May be a view of `rows`: read it before the next write."""
         return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
+
+    def gather_kv(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """`gather` for K or V, whose rows are only read where the slot is live (attention masks the rest):
+        a layout may return any finite rows for empty slots."""
+        return self.gather(rows, index)
 
     def live_counts(self) -> torch.Tensor:
         """[B, H_kv] tokens held per head."""
@@ -202,21 +207,32 @@ class SlotLayer:
             self.single_hole = hole
 
     def compact(self) -> None:
-        """Pack each head's live tokens, in fill order, into its first slots; free what is left."""
+        """Pack each head's live tokens, in fill order, into its first slots (a paged head: one run of pages
+        where the pool allows, `_into_runs`); free what is left."""
         index = self.slot_index()
         live = self.pos[index] >= 0
-        self.packed, self.single_hole = live.sum(-1), None
-        if bool((live.long().cumprod(-1).sum(-1) == self.packed).all()):
+        kept = live.sum(-1)  # [B, H]
+        self.packed, self.single_hole = kept, None
+        if bool((live.long().cumprod(-1).sum(-1) == kept).all()) and self._in_runs(kept):
             return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
-        src = index.gather(2, order)  # live slots first
-        kept = live.sum(-1, keepdim=True)
-        move = torch.arange(index.shape[-1], device=index.device) < kept  # view slots [0, kept) receive
-        src, dst = src[move], index[move]
-        k, v, pos, stats = self.k[src], self.v[src], self.pos[src], self.stats[src]
+        src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
+        k, v, pos, stats = self.k[src], self.v[src], self.pos[src], self.stats[src]  # live, in fill order
         self.pos[index[live]] = -1
+        index = self._into_runs(kept)
+        dst = index[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]  # each head's first slots
         self.k[dst], self.v[dst], self.pos[dst], self.stats[dst] = k, v, pos, stats
         self._release_empty()
+
+    def _in_runs(self, kept: torch.Tensor) -> bool:
+        """Whether the first slots that would hold `kept` [B, H] tokens per head are already where
+        `_into_runs` puts them."""
+        return True
+
+    def _into_runs(self, kept: torch.Tensor) -> torch.Tensor:
+        """Before compaction writes `kept` [B, H] tokens per head into its first slots: the slot index to
+        write through (a layout may regroup storage first)."""
+        return self.slot_index()
 
     def bytes_held(self) -> torch.Tensor:
         """[B] KV bytes allocated to each sequence."""
@@ -237,6 +253,7 @@ class PagedLayer(SlotLayer):
         self.null_page = num_pages  # the sentinel page
         self.tables: list[list[list[int]]] = [[[] for _ in range(kv_heads)] for _ in range(batch)]
         self._index: torch.Tensor | None = None
+        self._runs: tuple[int, int] | None = None  # (first slot, slots between heads) when `_index` is runs
         self._table: tuple | None = None  # (the slot index it was built from, table, head_tokens)
 
     @property
@@ -255,15 +272,65 @@ class PagedLayer(SlotLayer):
             offsets = torch.arange(S, device=self.pos.device)
             pages = self.block_table().long()
             self._index = (pages[..., None] * S + offsets).flatten(2)  # [B, H, pages * S]
+            self._runs = self._as_runs(pages)
         return self._index
+
+    def _as_runs(self, pages: torch.Tensor) -> tuple[int, int] | None:
+        """(first slot, slots between heads) when each head's pages are consecutive ids and the heads' first
+        pages evenly spaced, in (sequence, head) order: then `gather_kv` is a strided view, no copy."""
+        B, H, width = pages.shape
+        counts = torch.tensor([[len(t) for t in row] for row in self.tables], device=pages.device)
+        first = pages[..., 0].reshape(-1)
+        step = int(first[1] - first[0]) if B * H > 1 else 0
+        steps = first[0] + step * torch.arange(B * H, device=pages.device)
+        runs = (pages == pages[..., :1] + torch.arange(width, device=pages.device)) | \
+            (torch.arange(width, device=pages.device) >= counts[..., None])
+        if not (bool((counts > 0).all()) and step >= 0 and bool((first == steps).all()) and bool(runs.all())):
+            return None
+        if int(first[-1]) + width > self.null_page + 1:  # a head's padding would read past the storage
+            return None
+        return int(first[0]) * self.block_size, step * self.block_size
+
+    def _run_wanted(self, kept: torch.Tensor):
+        """(b, h, the pages a head holding kept[b, h] tokens has as one run from its first page) per head."""
+        for (b, h), count in zip(((b, h) for b in range(self.batch) for h in range(self.kv_heads)), kept.flatten().tolist()):
+            table = self.tables[b][h]
+            need = -(-count // self.block_size)
+            if table and need:
+                yield b, h, list(range(table[0], table[0] + need))
+
+    def _in_runs(self, kept: torch.Tensor) -> bool:
+        return all(self.tables[b][h][:len(run)] == run for b, h, run in self._run_wanted(kept))
+
+    def _into_runs(self, kept: torch.Tensor) -> torch.Tensor:
+        """Give each head the pages first, first + 1, ... its kept tokens need, where each is its own or
+        free: its slots become one run, read as a view (`gather_kv`). Its other pages follow, to be emptied."""
+        for b, h, run in self._run_wanted(kept):
+            table = self.tables[b][h]
+            if table[:len(run)] == run or run[-1] >= self.pool.num_pages:
+                continue
+            mine = set(table)
+            if all(page in mine or self.pool.is_free(page) for page in run):
+                self.pool.take([page for page in run if page not in mine])
+                self.tables[b][h] = run + [page for page in table if page not in set(run)]
+                self._index = None
+        return self.slot_index()
+
+    def gather_kv(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        if index is not self._index or self._runs is None:
+            return self.gather(rows, index)
+        # A head's padding reads whatever slots follow its run: finite, masked (positions come from `index`).
+        first, step = self._runs
+        B, H, N = index.shape
+        D = rows.shape[1]
+        return rows.as_strided((B, H, N, D), (H * step * D, step * D, D, 1), rows.storage_offset() + first * D)
 
     def _reserve(self, free_needed: torch.Tensor) -> None:
         pages_needed = (free_needed + self.block_size - 1) // self.block_size
-        if int(pages_needed.sum()) == 0:
-            return
-        pages = iter(self.pool.allocate(int(pages_needed.sum())))
+        self.pool.check_room(int(pages_needed.sum()))  # all or nothing
         for b, h in pages_needed.nonzero().tolist():
-            self.tables[b][h] += [next(pages) for _ in range(int(pages_needed[b, h]))]
+            table = self.tables[b][h]
+            table += self.pool.allocate(int(pages_needed[b, h]), after=table[-1] if table else None)
         self._index = None
 
     def _release_empty(self, emptied: torch.Tensor | None = None) -> None:
