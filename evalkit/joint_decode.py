@@ -22,47 +22,73 @@ import weakref
 import torch
 
 from evalkit.attention import CellPlans, evalkit_attention
-from evalkit.generate import Generation, GenerationSettings, Request, fed, forward, forward_inputs, start
+from evalkit.generate import Generation, GenerationSettings, Request, Started, fed, forward, forward_inputs, start
 from evalkit.shared_prefill import SharedPrefill
 
 # model -> {("model", rows per cell) or (linear shape..., cells, rows per cell): bool}, probed once each
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Cells decode together only as many as their caches fit in this share of the memory free at the start.
+_MEMORY_SHARE = 0.5
+
+
 @torch.inference_mode()
 def generate_cells(model, tokenizer, requests: list[Request], cells: list[GenerationSettings],
                    shared: SharedPrefill) -> list[list[Generation]]:
     """`generate(model, tokenizer, requests, settings, shared=shared)` for every settings in `cells`,
-    the same generations, decoded together. A cell's `decode_seconds` is the time of its own work (token
-    choice, attention, eviction) plus an even share of each joint forward's rest."""
-    batch = len(requests)
-    joint_possible = len(cells) > 1 and _model_rows_apart(model, batch)
+    the same generations, decoded together: all of them, or as many at a time as their caches fit in
+    half the free memory (each holds the whole prompt until it is compressed). A cell's `decode_seconds`
+    is the time of its own work (token choice, attention, eviction) plus an even share of each joint
+    forward's rest."""
+    joint_possible = len(cells) > 1 and _model_rows_apart(model, len(requests))
+    allowance = _MEMORY_SHARE * _free_memory(model.device)
+    generations: list[list[Generation]] = []
     with evalkit_attention(model):
-        runs = [start(model, tokenizer, requests, settings, shared=shared) for settings in cells]
-        seconds = [0.0] * len(runs)
-        active = list(range(len(runs)))
-        while active:
-            tokens = {}
-            for i in active:
+        while len(generations) < len(cells):
+            first = start(model, tokenizer, requests, cells[len(generations)], shared=shared)
+            size = max(1, int(allowance // max(1, first.decoding.state.cache.storage_bytes())))
+            group = [first] + [start(model, tokenizer, requests, settings, shared=shared)
+                               for settings in cells[len(generations) + 1:len(generations) + size]]
+            generations += _decode_together(group, joint_possible, len(requests))
+    return generations
+
+
+def _decode_together(runs: list[Started], joint_possible: bool, batch: int) -> list[list[Generation]]:
+    model = runs[0].decoding.state.model
+    seconds = [0.0] * len(runs)
+    active = list(range(len(runs)))
+    while active:
+        tokens = {}
+        for i in active:
+            begun = time.perf_counter()
+            tokens[i] = runs[i].decoding.next_tokens()
+            seconds[i] += time.perf_counter() - begun
+        active = [i for i in active if tokens[i] is not None]
+        if joint_possible and len(active) > 1 and _linears_apart(model, len(active), batch):
+            begun = time.perf_counter()
+            logits, own = forward_cells([runs[i].decoding.state for i in active], [tokens[i] for i in active])
+            rest = (time.perf_counter() - begun - sum(own)) / len(active)
+            for i, cell_logits, own_seconds in zip(active, logits, own):
                 begun = time.perf_counter()
-                tokens[i] = runs[i].decoding.next_tokens()
-                seconds[i] += time.perf_counter() - begun
-            active = [i for i in active if tokens[i] is not None]
-            if joint_possible and len(active) > 1 and _linears_apart(model, len(active), batch):
-                begun = time.perf_counter()
-                logits, own = forward_cells([runs[i].decoding.state for i in active], [tokens[i] for i in active])
-                rest = (time.perf_counter() - begun - sum(own)) / len(active)
-                for i, cell_logits, own_seconds in zip(active, logits, own):
-                    begun = time.perf_counter()
-                    runs[i].decoding.advance(cell_logits)
-                    seconds[i] += own_seconds + rest + time.perf_counter() - begun
-                continue
-            for i in active:
-                begun = time.perf_counter()
-                logits, _ = forward(runs[i].decoding.state, tokens[i])
-                runs[i].decoding.advance(logits)
-                seconds[i] += time.perf_counter() - begun
+                runs[i].decoding.advance(cell_logits)
+                seconds[i] += own_seconds + rest + time.perf_counter() - begun
+            continue
+        for i in active:
+            begun = time.perf_counter()
+            logits, _ = forward(runs[i].decoding.state, tokens[i])
+            runs[i].decoding.advance(logits)
+            seconds[i] += time.perf_counter() - begun
     return [run.generations(s) for run, s in zip(runs, seconds)]
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors: the GPU's free memory, or the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def forward_cells(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:

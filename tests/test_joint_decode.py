@@ -142,3 +142,23 @@ def test_linears_whose_batched_kernel_differs_decode_cells_one_by_one(monkeypatc
     assert not joint_decode._linears_apart(model, 3, 1)
     monkeypatch.setattr(joint_decode, "_cellwise_linear", exact)
     assert joint_decode._linears_apart(model, 4, 1)
+
+
+def test_cells_whose_caches_do_not_fit_together_decode_in_groups_that_do(monkeypatch):
+    """Every cell holds its whole prompt until compressed: at most as many as fit in half the free memory
+    decode together (here, memory for 2.5 caches: groups of 2), with the same generations."""
+    model = wide_model("llama")
+    batch = batch_of(1, torch.Generator().manual_seed(4))
+    cells = cells_of(True)[:5]
+    shared = shared_prefill(model, batch, cells, True)
+    with evalkit_attention(model):
+        cache_bytes = start(model, None, batch, cells[0], shared=shared).decoding.state.cache.storage_bytes()
+    monkeypatch.setattr(joint_decode, "_free_memory", lambda device: int(2.5 * cache_bytes / joint_decode._MEMORY_SHARE))
+    joint_steps = []
+    monkeypatch.setattr(joint_decode, "forward_cells",
+                        lambda *a: joint_steps.append(len(a[0])) or forward_cells(*a))
+    together = generate_cells(model, None, batch, cells, shared)
+    assert max(joint_steps) == 2
+    for settings, cell in zip(cells, together):
+        assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \
+            [g.token_ids for g in cell]

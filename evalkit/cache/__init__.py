@@ -54,6 +54,10 @@ class KVCache:
         """[B] KV bytes of the tokens really kept, all layers."""
         return sum(layer.bytes_ideal() for layer in self.layers)
 
+    def storage_bytes(self) -> int:
+        """Bytes the storage itself occupies (every slot's K, V, position and statistic, all layers)."""
+        return sum(t.nbytes for layer in self.layers for t in (layer.k, layer.v, layer.pos, layer.stats))
+
     def bytes_per_token(self) -> int:
         """Bytes one token costs in a full cache: K and V, every layer and KV head."""
         layer = self.layers[0]
