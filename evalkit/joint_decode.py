@@ -27,8 +27,6 @@ from evalkit.shared_prefill import SharedPrefill
 
 # model -> {("model", rows per cell) or (linear shape..., cells, rows per cell): bool}, probed once each
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 # Cells decode together only as many as their caches fit in this share of the memory free at the start.
 _MEMORY_SHARE = 0.5
 
@@ -45,12 +43,13 @@ def generate_cells(model, tokenizer, requests: list[Request], cells: list[Genera
     allowance = _MEMORY_SHARE * _free_memory(model.device)
     generations: list[list[Generation]] = []
     with evalkit_attention(model):
-        while len(generations) < len(cells):
-            first = start(model, tokenizer, requests, cells[len(generations)], shared=shared)
-            size = max(1, int(allowance // max(1, first.decoding.state.cache.storage_bytes())))
-            group = [first] + [start(model, tokenizer, requests, settings, shared=shared)
-                               for settings in cells[len(generations) + 1:len(generations) + size]]
-            generations += _decode_together(group, joint_possible, len(requests))
+        runs = [start(model, tokenizer, requests, cells[0], shared=shared)]  # its cache sizes the groups
+        size = max(1, int(allowance // max(1, runs[0].decoding.state.cache.storage_bytes())))
+        for first in range(0, len(cells), size):
+            runs += [start(model, tokenizer, requests, settings, shared=shared)
+                     for settings in cells[first + len(runs):first + size]]
+            generations += _decode_together(runs, joint_possible, len(requests))
+            runs = []  # a group's caches go before the next group's come
     return generations
 
 
