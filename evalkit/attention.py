@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -66,7 +67,7 @@ class CellPlans:
 
     @classmethod
     def of(cls, plans: list[ForwardPlan], rows: list[int]) -> "CellPlans":
-        ends = [sum(rows[:i + 1]) for i in range(len(rows))]
+        ends = itertools.accumulate(rows)
         return cls([(slice(end - n, end), plan) for end, n, plan in zip(ends, rows, plans)], [0.0] * len(plans))
 
 

@@ -144,23 +144,23 @@ def compress(state: LoopState, budgets: torch.Tensor) -> None:
     policy = state.policy
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     recents = torch.minimum(policy.recent_count(budgets) + unscored, budgets)  # [L, B]
-    over = []  # (layer index, layer, slot index, positions, scores; [B, H_kv, N] each) of the layers over budget
+    over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over budget
     for layer_idx, layer in enumerate(state.cache.layers):
         view = layer.read()
         if bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
             continue
         keys = view.k if policy.reads_keys else None
         scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
-        over.append((layer_idx, layer, view.index, view.pos, scores))  # not the view: it may hold the keys
+        over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
     if over:
-        width = max(pos.shape[-1] for _, _, _, pos, _ in over)  # ragged layers padded with empty slots
-        positions = torch.cat([F.pad(pos, (0, width - pos.shape[-1]), value=-1) for _, _, _, pos, _ in over])
-        scores = torch.cat([F.pad(scores, (0, width - scores.shape[-1])) for _, _, _, _, scores in over])
-        chosen = [layer_idx for layer_idx, _, _, _, _ in over]
-        keep = policy.select(scores.cpu(), positions.cpu(), state.seen.repeat(len(over)), budgets[chosen].reshape(-1),
-                             state.settings.block_size, recents[chosen].reshape(-1))  # [layers * B, H_kv, width]
-        for rows, (_, layer, index, _, _) in zip(keep.split(len(state.seen)), over):
-            layer.evict(index, rows[..., :index.shape[-1]].to(index.device))
+        layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
+        width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
+        padded = [F.pad(pos, (0, width - pos.shape[-1]), value=-1) for pos in positions]
+        keep = policy.select(torch.cat([F.pad(x, (0, width - x.shape[-1])) for x in scores]).cpu(),
+                             torch.cat(padded).cpu(), state.seen.repeat(len(over)), budgets[layer_ids].reshape(-1),
+                             state.settings.block_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
+        for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
+            state.cache.layers[layer_idx].evict(index, rows[..., :index.shape[-1]].to(index.device))
     if state.observe:
         state.observe("compressed", state.cache)
 
@@ -217,9 +217,13 @@ class Decoding:
     """
 
     def __init__(self, state: LoopState, requests: list[Request], tokenizer, logits: torch.Tensor,
-                 cap: torch.Tensor, evict: bool):
+                 cap: torch.Tensor, evict: bool, prompt_tokens: torch.Tensor, prefill_seconds: float):
         self.state, self.requests, self.tokenizer = state, requests, tokenizer
         self.logits, self.cap, self.evict = logits, cap, evict
+        # What the prefill left, reported with every generation: [B] each.
+        self.prompt_tokens, self.prefill_seconds = prompt_tokens, prefill_seconds  # compressed + appended
+        self.kept = state.cache.kept_tokens().float().mean(dim=(0, 2))  # mean per layer and KV head
+        self.held, self.ideal = state.cache.bytes_held(), state.cache.bytes_ideal()
         self.eos_ids = _eos_ids(state.model, tokenizer)
         self.outputs: list[list[int]] = [[] for _ in requests]
         self.texts: list[str | None] = [None] * len(requests)
@@ -252,6 +256,17 @@ class Decoding:
         if self.evict:
             compress(self.state, self.cap)
 
+    def generations(self, decode_seconds: float) -> list[Generation]:
+        timing = {"prefill_seconds": self.prefill_seconds, "decode_seconds": decode_seconds,
+                  "prompt_tokens": int(self.prompt_tokens.sum()), "new_tokens": sum(len(o) for o in self.outputs)}
+        attended, available = self.state.attended, self.state.available
+        read = torch.where(available > 0, attended / available.clamp(min=1), 1.0)
+        per_token = self.state.cache.bytes_per_token()
+        return [Generation(self.outputs[b], self.texts[b], int(self.prompt_tokens[b]), float(self.kept[b]),
+                           int(self.held[b]), int(self.ideal[b]), int(self.prompt_tokens[b]) * per_token,
+                           float(read[b]), timing)
+                for b in range(len(self.requests))]
+
 
 @torch.inference_mode()
 def generate(model, tokenizer, requests: list[Request], settings: GenerationSettings,
@@ -261,14 +276,14 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
     with evalkit_attention(model):
         run = start(model, tokenizer, requests, settings, observe, shared)
         begun = time.perf_counter()
-        while (tokens := run.decoding.next_tokens()) is not None:
-            logits, _ = forward(run.decoding.state, tokens)
-            run.decoding.advance(logits)
+        while (tokens := run.next_tokens()) is not None:
+            logits, _ = forward(run.state, tokens)
+            run.advance(logits)
     return run.generations(time.perf_counter() - begun)
 
 
 def start(model, tokenizer, requests: list[Request], settings: GenerationSettings,
-          observe: Observer | None = None, shared: SharedPrefill | None = None) -> "Started":
+          observe: Observer | None = None, shared: SharedPrefill | None = None) -> Decoding:
     """Prefill (compressing as the policy says) and get ready to decode; call inside `evalkit_attention`."""
     policy = settings.policy
     compressed, appended = split_prompts(requests, settings.query_aware)
@@ -288,32 +303,8 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
 
     state.collect = decode_collect
     _restrict_reads(state, budget, lengths, extra)
-    return Started(Decoding(state, requests, tokenizer, logits, budgets + extra, decode_evicts),
-                   lengths + extra, state.cache.kept_tokens().float().mean(dim=(0, 2)), state.cache.bytes_held(),
-                   state.cache.bytes_ideal(), prefill_seconds)
-
-
-@dataclass
-class Started:
-    """A batch whose prefill is done: its decoding, and what its `Generation`s report about the prefill."""
-
-    decoding: Decoding
-    prompt_tokens: torch.Tensor  # [B] compressed + appended
-    kept: torch.Tensor  # [B] mean tokens per layer and KV head after prefill
-    held: torch.Tensor  # [B] KV bytes allocated after prefill
-    ideal: torch.Tensor  # [B] KV bytes of the tokens kept
-    prefill_seconds: float
-
-    def generations(self, decode_seconds: float) -> list[Generation]:
-        d, state = self.decoding, self.decoding.state
-        timing = {"prefill_seconds": self.prefill_seconds, "decode_seconds": decode_seconds,
-                  "prompt_tokens": int(self.prompt_tokens.sum()), "new_tokens": sum(len(o) for o in d.outputs)}
-        read = torch.where(state.available > 0, state.attended / state.available.clamp(min=1), 1.0)
-        per_token = state.cache.bytes_per_token()
-        return [Generation(d.outputs[b], d.texts[b], int(self.prompt_tokens[b]), float(self.kept[b]),
-                           int(self.held[b]), int(self.ideal[b]), int(self.prompt_tokens[b]) * per_token,
-                           float(read[b]), timing)
-                for b in range(len(d.requests))]
+    return Decoding(state, requests, tokenizer, logits, budgets + extra, decode_evicts, lengths + extra,
+                    prefill_seconds)
 
 
 @dataclass

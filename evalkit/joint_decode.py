@@ -22,10 +22,10 @@ import weakref
 import torch
 
 from evalkit.attention import CellPlans, evalkit_attention
-from evalkit.generate import Generation, GenerationSettings, Request, Started, fed, forward, forward_inputs, start
+from evalkit.generate import Generation, GenerationSettings, Request, Decoding, fed, forward, forward_inputs, start
 from evalkit.shared_prefill import SharedPrefill
 
-# model -> {("model", rows per cell) or (linear shape..., cells, rows per cell): bool}, probed once each
+# model -> {("model", rows per cell) or ("linears", cells, rows per cell): bool}, probed once each
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Cells decode together only as many as their caches fit in this share of the memory free at the start.
 _MEMORY_SHARE = 0.5
@@ -44,7 +44,7 @@ def generate_cells(model, tokenizer, requests: list[Request], cells: list[Genera
     generations: list[list[Generation]] = []
     with evalkit_attention(model):
         runs = [start(model, tokenizer, requests, cells[0], shared=shared)]  # its cache sizes the groups
-        size = max(1, int(allowance // max(1, runs[0].decoding.state.cache.storage_bytes())))
+        size = max(1, int(allowance // max(1, runs[0].state.cache.storage_bytes())))
         for first in range(0, len(cells), size):
             runs += [start(model, tokenizer, requests, settings, shared=shared)
                      for settings in cells[first + len(runs):first + size]]
@@ -53,30 +53,30 @@ def generate_cells(model, tokenizer, requests: list[Request], cells: list[Genera
     return generations
 
 
-def _decode_together(runs: list[Started], joint_possible: bool, batch: int) -> list[list[Generation]]:
-    model = runs[0].decoding.state.model
+def _decode_together(runs: list[Decoding], joint_possible: bool, batch: int) -> list[list[Generation]]:
+    model = runs[0].state.model
     seconds = [0.0] * len(runs)
     active = list(range(len(runs)))
     while active:
         tokens = {}
         for i in active:
             begun = time.perf_counter()
-            tokens[i] = runs[i].decoding.next_tokens()
+            tokens[i] = runs[i].next_tokens()
             seconds[i] += time.perf_counter() - begun
         active = [i for i in active if tokens[i] is not None]
         if joint_possible and len(active) > 1 and _linears_apart(model, len(active), batch):
             begun = time.perf_counter()
-            logits, own = forward_cells([runs[i].decoding.state for i in active], [tokens[i] for i in active])
+            logits, own = forward_cells([runs[i].state for i in active], [tokens[i] for i in active])
             rest = (time.perf_counter() - begun - sum(own)) / len(active)
             for i, cell_logits, own_seconds in zip(active, logits, own):
                 begun = time.perf_counter()
-                runs[i].decoding.advance(cell_logits)
+                runs[i].advance(cell_logits)
                 seconds[i] += own_seconds + rest + time.perf_counter() - begun
             continue
         for i in active:
             begun = time.perf_counter()
-            logits, _ = forward(runs[i].decoding.state, tokens[i])
-            runs[i].decoding.advance(logits)
+            logits, _ = forward(runs[i].state, tokens[i])
+            runs[i].advance(logits)
             seconds[i] += time.perf_counter() - begun
     return [run.generations(s) for run, s in zip(runs, seconds)]
 
@@ -168,19 +168,20 @@ def _model_rows_apart(model, batch: int) -> bool:
 
 
 def _linears_apart(model, cells: int, batch: int) -> bool:
-    """Probe (once per model, linear shape and cell count): each linear shape's batched matmul against
-    its own per-cell product, on random rows."""
+    """Probe (once per model, cell count and batch): each linear shape's batched matmul against its own
+    per-cell product, on random rows."""
     verdicts = _VERDICTS.setdefault(model, {})
-    shapes = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): m for m in _linears(model)}
-    generator = torch.Generator().manual_seed(0)
-    for shape, linear in shapes.items():
-        key = (*shape, cells, batch)
-        if key not in verdicts:
-            x = torch.randn(cells, batch, linear.in_features, generator=generator).to(linear.weight)
-            with torch.inference_mode():
-                own = torch.stack([torch.nn.functional.linear(x[c], linear.weight, linear.bias) for c in range(cells)])
-                joint = _cellwise_linear(linear, cells, x.view(cells * batch, 1, -1)).view(cells, batch, -1)
-            verdicts[key] = torch.equal(own, joint)
-        if not verdicts[key]:
-            return False
-    return True
+    key = ("linears", cells, batch)
+    if key not in verdicts:
+        shapes = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): m for m in _linears(model)}
+        generator = torch.Generator().manual_seed(0)
+        verdicts[key] = all(_linear_apart(linear, cells, batch, generator) for linear in shapes.values())
+    return verdicts[key]
+
+
+def _linear_apart(linear: torch.nn.Linear, cells: int, batch: int, generator: torch.Generator) -> bool:
+    x = torch.randn(cells, batch, linear.in_features, generator=generator).to(linear.weight)
+    with torch.inference_mode():
+        own = torch.stack([torch.nn.functional.linear(x[c], linear.weight, linear.bias) for c in range(cells)])
+        joint = _cellwise_linear(linear, cells, x.view(cells * batch, 1, -1)).view(cells, batch, -1)
+    return torch.equal(own, joint)

@@ -57,8 +57,8 @@ def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arc
     cells = cells_of(query_aware=True)[:12]
     shared = shared_prefill(model, batch, cells, True)
     with evalkit_attention(model):
-        together = [start(model, None, batch, c, shared=shared).decoding for c in cells]
-        alone = [start(model, None, batch, c, shared=shared).decoding for c in cells]
+        together = [start(model, None, batch, c, shared=shared) for c in cells]
+        alone = [start(model, None, batch, c, shared=shared) for c in cells]
         for _ in range(4):  # each step after the previous one's eviction
             tokens = [d.next_tokens() for d in together]
             assert tokens == [d.next_tokens() for d in alone]
@@ -152,7 +152,7 @@ def test_cells_whose_caches_do_not_fit_together_decode_in_groups_that_do(monkeyp
     cells = cells_of(True)[:5]
     shared = shared_prefill(model, batch, cells, True)
     with evalkit_attention(model):
-        cache_bytes = start(model, None, batch, cells[0], shared=shared).decoding.state.cache.storage_bytes()
+        cache_bytes = start(model, None, batch, cells[0], shared=shared).state.cache.storage_bytes()
     monkeypatch.setattr(joint_decode, "_free_memory", lambda device: int(2.5 * cache_bytes / joint_decode._MEMORY_SHARE))
     joint_steps = []
     monkeypatch.setattr(joint_decode, "forward_cells",

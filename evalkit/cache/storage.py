@@ -272,32 +272,30 @@ class PagedLayer(SlotLayer):
             offsets = torch.arange(S, device=self.pos.device)
             pages = self.block_table().long()
             self._index = (pages[..., None] * S + offsets).flatten(2)  # [B, H, pages * S]
-            self._runs = self._as_runs(pages)
+            self._runs = self._as_runs()
         return self._index
 
-    def _as_runs(self, pages: torch.Tensor) -> tuple[int, int] | None:
+    def _as_runs(self) -> tuple[int, int] | None:
         """(first slot, slots between heads) when each head's pages are consecutive ids and the heads' first
         pages evenly spaced, in (sequence, head) order: then `gather_kv` is a strided view, no copy."""
-        B, H, width = pages.shape
-        counts = torch.tensor([[len(t) for t in row] for row in self.tables], device=pages.device)
-        first = pages[..., 0].reshape(-1)
-        step = int(first[1] - first[0]) if B * H > 1 else 0
-        steps = first[0] + step * torch.arange(B * H, device=pages.device)
-        runs = (pages == pages[..., :1] + torch.arange(width, device=pages.device)) | \
-            (torch.arange(width, device=pages.device) >= counts[..., None])
-        if not (bool((counts > 0).all()) and step >= 0 and bool((first == steps).all()) and bool(runs.all())):
+        tables = [table for row in self.tables for table in row]
+        if not all(tables) or any(table[-1] - table[0] != len(table) - 1 or table != sorted(table) for table in tables):
             return None
-        if int(first[-1]) + width > self.null_page + 1:  # a head's padding would read past the storage
+        firsts = [table[0] for table in tables]
+        step = firsts[1] - firsts[0] if len(firsts) > 1 else 0
+        if step < 0 or firsts != [firsts[0] + i * step for i in range(len(firsts))]:
             return None
-        return int(first[0]) * self.block_size, step * self.block_size
+        if firsts[-1] + max(map(len, tables)) > self.null_page + 1:  # a head's padding would read past the storage
+            return None
+        return firsts[0] * self.block_size, step * self.block_size
 
     def _run_wanted(self, kept: torch.Tensor):
         """(b, h, the pages a head holding kept[b, h] tokens has as one run from its first page) per head."""
-        for (b, h), count in zip(((b, h) for b in range(self.batch) for h in range(self.kv_heads)), kept.flatten().tolist()):
-            table = self.tables[b][h]
-            need = -(-count // self.block_size)
-            if table and need:
-                yield b, h, list(range(table[0], table[0] + need))
+        for b, (row, counts) in enumerate(zip(self.tables, kept.tolist())):
+            for h, (table, count) in enumerate(zip(row, counts)):
+                need = -(-count // self.block_size)
+                if table and need:
+                    yield b, h, list(range(table[0], table[0] + need))
 
     def _in_runs(self, kept: torch.Tensor) -> bool:
         return all(self.tables[b][h][:len(run)] == run for b, h, run in self._run_wanted(kept))
