@@ -135,7 +135,17 @@ def left_padded(tokens: list[list[int]], seen: torch.Tensor):
 
 
 def compress(state: LoopState, budgets: torch.Tensor) -> None:
-    """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses.
+    """Evict down to `budgets[l, b]` tokens per head in layer l, as the policy chooses (`select_kept`)."""
+    for layer, chosen in zip(state.cache.layers, select_kept(state, state.cache.layers, budgets)):
+        if chosen is not None:
+            layer.evict(*chosen)
+    if state.observe:
+        state.observe("compressed", state.cache)
+
+
+def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer of `layers` (a cache's, or the same tokens stored elsewhere): (slot index, keep) [B, H_kv, N]
+    each, the slots the policy keeps at `budgets[l, b]` tokens per head, or None when it holds no more.
 
     Tokens fed since the last statistic was collected have no score: a policy that needs one
     keeps them, as the most recent tokens (docs/policies.md). Each layer is scored on its own;
@@ -145,13 +155,14 @@ def compress(state: LoopState, budgets: torch.Tensor) -> None:
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     recents = torch.minimum(policy.recent_count(budgets) + unscored, budgets)  # [L, B]
     over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over budget
-    for layer_idx, layer in enumerate(state.cache.layers):
+    for layer_idx, layer in enumerate(layers):
         view = layer.read()
         if bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
             continue
         keys = view.k if policy.reads_keys else None
         scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
         over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
+    chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
     if over:
         layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
         width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
@@ -160,9 +171,8 @@ def compress(state: LoopState, budgets: torch.Tensor) -> None:
                              torch.cat(padded).cpu(), state.seen.repeat(len(over)), budgets[layer_ids].reshape(-1),
                              state.settings.block_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
         for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
-            state.cache.layers[layer_idx].evict(index, rows[..., :index.shape[-1]].to(index.device))
-    if state.observe:
-        state.observe("compressed", state.cache)
+            chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))
+    return chosen
 
 
 def prefill(state: LoopState, compressed: list[list[int]], appended: list[list[int]], budget: torch.Tensor,
@@ -292,13 +302,16 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
-    state = _new_state(model, settings, lengths, budgets, extra + max_new, observe)
-
     begun = time.perf_counter()
     decode_evicts = bool(evicting.any()) and settings.decode_eviction
     decode_collect = policy.collect_decode if decode_evicts else None
+    forks_compressed = shared is not None and not any(appended) and observe is None
+    state = _new_state(model, settings, lengths, budgets, extra + max_new, observe, with_cache=not forks_compressed)
     state.collect = policy.collect_prefill if bool(evicting.any()) else None
-    logits = prefill(state, compressed, appended, budgets, decode_collect, shared)
+    if forks_compressed:  # the cell's cache receives only what compression keeps (`SharedPrefill.fork_compressed`)
+        logits = shared.fork_compressed(state, budgets, extra + max_new)
+    else:
+        logits = prefill(state, compressed, appended, budgets, decode_collect, shared)
     prefill_seconds = time.perf_counter() - begun + (shared.seconds if shared is not None else 0.0)
 
     state.collect = decode_collect
@@ -463,15 +476,21 @@ def _budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
 
 
 def _new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budgets: torch.Tensor,
-               after_prefill: torch.Tensor, observe: Observer | None) -> LoopState:
-    """A state whose cache holds the prefill's peak plus `after_prefill` [B] more tokens per head."""
+               after_prefill: torch.Tensor, observe: Observer | None, with_cache: bool = True) -> LoopState:
+    """A state whose cache holds the prefill's peak plus `after_prefill` [B] more tokens per head (none yet
+    without `with_cache`)."""
     widest = budgets.amax(0)
     prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
-    capacity = int((prefill_peak + after_prefill + 1).max())
-    cache = KVCache.create(settings.layout, model.config, len(lengths), capacity, settings.block_size,
-                           model.dtype, model.device, settings.pool_pages)
+    cache = new_cache(model, settings, prefill_peak, after_prefill) if with_cache else None
     start = torch.zeros(len(lengths), dtype=torch.long)
     return LoopState(model, cache, settings.policy, settings, start, start.clone(), observe)
+
+
+def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_prefill: torch.Tensor) -> KVCache:
+    """A cache for `peak` [B] tokens per head during the prefill and `after_prefill` [B] more after it."""
+    capacity = int((peak + after_prefill + 1).max())
+    return KVCache.create(settings.layout, model.config, len(peak), capacity, settings.block_size,
+                          model.dtype, model.device, settings.pool_pages)
 
 
 def _restrict_reads(state: LoopState, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:

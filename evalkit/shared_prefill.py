@@ -3,19 +3,25 @@
 In full-prefill mode the prompt's forward pass does not depend on the policy (a layer's first
 tokens attend to themselves the same way whatever the storage or statistic:
 `evalkit.attention.prompt_attention`), so `share_prefill` runs it once, recording each layer's K/V
-and every statistic the cells need, and `generate.generate(..., shared=)` stores them in each
-cell's own cache exactly as its own forward would have (`SharedPrefill.fork_into`).
+and every statistic the cells need, and `generate.generate(..., shared=)` gives each cell the cache its own forward and compression would
+have left: a cell whose prompt is compressed whole (query-aware, the usual case) chooses its tokens on a
+copy of the prompt stored once for every cell of its layout, and its own cache receives only the tokens it
+keeps (`SharedPrefill.fork_compressed`); a cell whose question is appended after compression stores the
+whole prompt, compresses it and goes on as its own run would (`SharedPrefill.fork_into`).
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from evalkit.attention import PromptRecord, evalkit_attention, store_statistic
-from evalkit.generate import GenerationSettings, Request, left_padded, split_prompts, LoopState, forward
+from evalkit.cache import KVCache
+from evalkit.generate import (GenerationSettings, LoopState, Request, forward, left_padded, new_cache, select_kept,
+                              split_prompts)
 from evalkit.policies import Policy, make_policy
 
 
@@ -35,26 +41,87 @@ class SharedPrefill:
     logits: torch.Tensor  # [B, V] float32 after each prompt's last token
     seconds: float
 
+    # The prompts stored once per storage shape, with each statistic: (layout, block size, pool pages, after
+    # the prefill) -> (stored with no statistic, {statistic key: the same storage with that statistic}).
+    _stored: dict = field(default_factory=dict, repr=False)
+
     def fork_into(self, state: LoopState) -> torch.Tensor:
         """Store the prefill in `state`'s empty cache with the statistic `state.collect`; the last logits."""
-        key = statistic_key(state.policy, state.collect)
-        if key is not None and key not in self.record.statistics:
-            raise ValueError(f"the shared prefill recorded {self.record.statistics}, not {key}")
-        _, valid, positions = left_padded(self.compressed, state.seen)
-        device = state.model.device
-        valid, positions = valid.to(device), positions.to(device)
+        key = self._statistic(state)
+        valid, positions = self._positions(state)
         for layer_idx, layer in enumerate(state.cache.layers):
             k, v, stats = self.record.layers[layer_idx]
             slots = layer.append(k, v, positions, valid)
             if key is not None:
                 store_statistic(layer, slots, state.collect, stats[key], valid)
+        self._advance(state, valid)
+        if state.observe:
+            state.observe("forward", state.cache)
+        return self.logits.clone()
+
+    def fork_compressed(self, state: LoopState, budgets: torch.Tensor, after_prefill: torch.Tensor) -> torch.Tensor:
+        """`fork_into`, `generate.compress` to `budgets` [L, B] and compaction, for a cell with no cache yet,
+        without storing what compression drops: the policy chooses on the prompt as `fork_into` would have
+        stored it (kept here, shared by every cell of the same storage shape), and the cell's new cache,
+        sized for what it keeps plus `after_prefill` [B], receives the kept tokens in their order, as
+        compaction would have left them. The last logits."""
+        valid, _ = self._positions(state)
+        stored = self._stored_with(state, after_prefill, valid)
+        self._advance(state, valid)
+        chosen = select_kept(state, stored.layers, budgets)
+        choices = [(layer.slot_index(), layer.gather(layer.pos, layer.slot_index()) >= 0) if c is None else c
+                   for layer, c in zip(stored.layers, chosen)]
+        kept = torch.stack([keep.sum(-1).amax(-1) for _, keep in choices]).amax(0)  # [B] most a head keeps
+        peak = kept if state.settings.layout == "paged" else valid.sum(1)  # a dense buffer's width shows in views
+        state.cache = new_cache(state.model, state.settings, peak.cpu(), after_prefill)
+        for layer, source, (index, keep) in zip(state.cache.layers, stored.layers, choices):
+            layer.fill(source, index, keep)
+        return self.logits.clone()
+
+    def _stored_with(self, state: LoopState, after_prefill: torch.Tensor, valid: torch.Tensor) -> KVCache:
+        """The prompts as `fork_into` stores them in a new cache of `state`'s settings, with its statistic."""
+        settings = state.settings
+        shape = (settings.layout, settings.block_size, settings.pool_pages, tuple(after_prefill.tolist()))
+        if shape not in self._stored:
+            cache = new_cache(state.model, settings, valid.sum(1).cpu(), after_prefill)
+            _, positions = self._positions(state)
+            slots = [layer.append(k, v, positions, valid) for layer, (k, v, _) in zip(cache.layers, self._kvs())]
+            self._stored[shape] = (cache, slots, {})
+        cache, slots, with_statistic = self._stored[shape]
+        key = self._statistic(state)
+        if key is None:
+            return cache
+        if key not in with_statistic:  # the same K, V and tables; its own statistic
+            layers = []
+            for layer, layer_slots, (_, _, stats) in zip(cache.layers, slots, self._kvs()):
+                layer = copy.copy(layer)
+                layer.stats = torch.zeros_like(layer.stats)
+                store_statistic(layer, layer_slots, state.collect, stats[key], valid)
+                layers.append(layer)
+            with_statistic[key] = KVCache(layers, cache.layout)
+        return with_statistic[key]
+
+    def _kvs(self):
+        return [self.record.layers[layer_idx] for layer_idx in range(len(self.record.layers))]
+
+    def _statistic(self, state: LoopState) -> tuple[str, int] | None:
+        key = statistic_key(state.policy, state.collect)
+        if key is not None and key not in self.record.statistics:
+            raise ValueError(f"the shared prefill recorded {self.record.statistics}, not {key}")
+        return key
+
+    def _positions(self, state: LoopState) -> tuple[torch.Tensor, torch.Tensor]:
+        """valid and positions [B, T] of the prompts' tokens, on the model's device."""
+        _, valid, positions = left_padded(self.compressed, state.seen)
+        device = state.model.device
+        return valid.to(device), positions.to(device)
+
+    @staticmethod
+    def _advance(state: LoopState, valid: torch.Tensor) -> None:
         counts = valid.sum(1).cpu()
         state.seen += counts
         if state.collect is not None:
             state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
-        if state.observe:
-            state.observe("forward", state.cache)
-        return self.logits.clone()
 
 
 @torch.inference_mode()

@@ -17,8 +17,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from evalkit.attention import attention_statistics, prompt_attention, window_queries
-from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.attention import attention_statistics, evalkit_attention, prompt_attention, window_queries
+from evalkit.generate import GenerationSettings, Request, forward, generate, start
 from evalkit.policies import make_policy
 from evalkit.shared_prefill import share_prefill, statistic_key
 
@@ -99,6 +99,46 @@ def test_a_shared_prefill_generates_what_each_cells_own_prefill_generates(query_
                         (b.token_ids, b.kept_tokens, b.bytes_held, b.bytes_ideal), (policy.name, budget, layout)
                     compared += 1
     assert compared == len(POLICIES) * len(BUDGETS) * 2 * len(batch)
+
+
+def held_tokens(cache) -> list:
+    """Per layer and (sequence, KV head): positions, statistics, K and V of the live slots in fill order."""
+    held = []
+    for layer in cache.layers:
+        view = layer.read()
+        for b in range(view.pos.shape[0]):
+            for h in range(view.pos.shape[1]):
+                live = view.pos[b, h] >= 0
+                held.append((view.pos[b, h][live], view.stats[b, h][live], view.k[b, h][live], view.v[b, h][live]))
+    return held, [layer.packed for layer in cache.layers]
+
+
+@pytest.mark.parametrize("layout, block_size", [("paged", 4), ("paged", 16), ("dense", 16)])
+def test_a_cell_forked_compressed_holds_what_its_own_compression_leaves(layout, block_size):
+    """Query-aware cells never store what compression drops (`SharedPrefill.fork_compressed`): after the
+    prefill their cache holds exactly the tokens, in the same order, with the same K, V and statistics,
+    as the cell's own prefill and compression; the same bytes; and the next forward's logits bit for bit."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama", seed=3)
+    batch = requests(torch.Generator().manual_seed(1))
+    policies = [make_policy(name) for name in POLICIES + ["h2o_head_page", "knorm_head"]]
+    shared = share_prefill(model, batch, True, {statistic_key(p, p.collect_prefill) for p in policies} - {None})
+    with evalkit_attention(model):
+        for policy in policies:
+            for budget in (0.2, 0.5, 1.0):
+                settings = GenerationSettings(policy=policy, budget=budget, layout=layout, block_size=block_size)
+                own, forked = (start(model, None, batch, settings, shared=s) for s in (None, shared))
+                assert forked.state.cache.storage_bytes() <= own.state.cache.storage_bytes()
+                (own_held, own_packed), (forked_held, forked_packed) = map(held_tokens, (own.state.cache,
+                                                                                          forked.state.cache))
+                where = (policy.name, budget)
+                assert all(all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(own_held, forked_held)), where
+                assert all(torch.equal(a, b) for a, b in zip(own_packed, forked_packed)), where
+                assert torch.equal(own.state.cache.bytes_held(), forked.state.cache.bytes_held()), where
+                assert torch.equal(own.logits, forked.logits), where
+                rows = [[int(t)] for t in own.logits.argmax(-1)]
+                assert torch.equal(forward(own.state, rows)[0], forward(forked.state, rows)[0]), where
 
 
 def test_a_shared_prefill_refuses_other_prompts_and_chunked_runs():

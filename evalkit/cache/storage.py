@@ -224,6 +224,25 @@ class SlotLayer:
         self.k[dst], self.v[dst], self.pos[dst], self.stats[dst] = k, v, pos, stats
         self._release_empty()
 
+    def fill(self, source: "SlotLayer", index: torch.Tensor, keep: torch.Tensor) -> None:
+        """Into this empty layer: `source`'s slots `index` [B, H_kv, N] where `keep` (live ones), in their
+        order, as each head's first slots: what `compact` leaves after the same tokens were appended in that
+        order and the others evicted."""
+        kept = keep.sum(-1)  # [B, H]
+        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+        src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
+        free = self._real(self.slot_index(), self.gather(self.pos, self.slot_index()) < 0).sum(-1)
+        self._reserve_apart((kept - free).clamp(min=0))
+        dst = self.slot_index()
+        dst = dst[torch.arange(dst.shape[-1], device=dst.device) < kept[..., None]]
+        self.k[dst], self.v[dst] = source.k[src], source.v[src]
+        self.pos[dst], self.stats[dst] = source.pos[src], source.stats[src]
+        self.packed, self.single_hole = kept, None
+
+    def _reserve_apart(self, free_needed: torch.Tensor) -> None:
+        """`_reserve` for an empty layer, leaving each head room to grow in place where the layout can."""
+        self._reserve(free_needed)
+
     def _in_runs(self, kept: torch.Tensor) -> bool:
         """Whether the first slots that would hold `kept` [B, H] tokens per head are already where
         `_into_runs` puts them."""
@@ -329,6 +348,19 @@ class PagedLayer(SlotLayer):
         for b, h in pages_needed.nonzero().tolist():
             table = self.tables[b][h]
             table += self.pool.allocate(int(pages_needed[b, h]), after=table[-1] if table else None)
+        self._index = None
+
+    def _reserve_apart(self, free_needed: torch.Tensor) -> None:
+        """Each head's pages from the start of its equal share of a free pool (head i of the (sequence, head)
+        order: from page i * share), so decoding extends them as one run and K/V stay strided views."""
+        pages_needed = ((free_needed + self.block_size - 1) // self.block_size).flatten().tolist()
+        share = self.pool.num_pages // len(pages_needed)
+        runs = [list(range(i * share, i * share + n)) for i, n in enumerate(pages_needed)]
+        if any(table for row in self.tables for table in row) or max(pages_needed) > share or \
+                not all(self.pool.is_free(page) for run in runs for page in run):
+            return self._reserve(free_needed)
+        self.pool.take([page for run in runs for page in run])
+        self.tables = [runs[b * self.kv_heads:(b + 1) * self.kv_heads] for b in range(self.batch)]
         self._index = None
 
     def _release_empty(self, emptied: torch.Tensor | None = None) -> None:
