@@ -167,10 +167,9 @@ def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, coun
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window, counted,
                                                          keys_in_order=True)
-    # CPU: the flash kernel SDPA itself runs, which also returns each row's log-sum-exp [B, H_q, T].
-    G = q.shape[1] // H_kv
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), 0.0, True, scale=scaling)[:2]
+    # CPU: the flash kernel SDPA itself runs, which also returns each row's log-sum-exp [B, H_q, T]. Given
+    # K/V with fewer heads it maps query head h to KV head h // G itself: no repeated copy, the same bits.
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)[:2]
     return out.transpose(1, 2), causal_statistics(q, k, lse, scaling, counted)
 
 

@@ -363,3 +363,17 @@ def test_query_blocking(gen, monkeypatch, G, collect, block):
     assert_rel_close(out[valid], whole[valid], "blocked against unblocked output", case.seed, rtol=1e-5)
     if collect:
         assert_rel_close(stats, whole_stats, "blocked against unblocked statistic", case.seed, rtol=1e-5)
+
+
+@pytest.mark.parametrize("G", GROUPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fresh_prompt_attends_bit_for_bit_as_sdpa_with_grouped_heads(gen, G, dtype):
+    """The prompt's own attention (the flash kernel, K/V never repeated) is what HF's sdpa attention
+    computes, `F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=True)`, bit for bit."""
+    H_kv, T = 2, 37
+    q = torch.randn(1, H_kv * G, T, D, generator=gen.g).to(dtype)
+    k, v = (torch.randn(1, H_kv, T, D, generator=gen.g).to(dtype) for _ in range(2))
+    pos, valid = torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool)
+    out, _ = attention.prompt_attention(q, pos, valid, k, v, SCALING, counted=[valid])
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALING, enable_gqa=True)
+    assert torch.equal(out, sdpa.transpose(1, 2)), f"seed={gen.seed}"

@@ -121,11 +121,7 @@ class SlotLayer:
             fits = int(target.max()) < index.shape[-1]
             dest = index.gather(2, target[..., None]) if fits else None  # [B, H, 1] each head's next slot
             if fits and bool((dest < self.num_real_slots).all()):  # else a new page: the general path
-                flat = dest.reshape(-1)
-                self.k.index_copy_(0, flat, k.reshape(-1, D))
-                self.v.index_copy_(0, flat, v.reshape(-1, D))
-                self.pos.index_copy_(0, flat, pos.expand(B, H).reshape(-1))
-                self.stats.index_fill_(0, flat, 0.0)
+                self._write(dest.reshape(-1), k.reshape(-1, D), v.reshape(-1, D), pos.expand(B, H).reshape(-1))
                 self.packed, self.single_hole = packed_after, None
                 return dest
         self.single_hole = None
@@ -157,13 +153,20 @@ class SlotLayer:
             dest = lowest_free.gather(2, rank[:, None, :].expand(B, H, T))[store]
             slots[store] = dest
             k, v, pos = k[store], v[store], pos[:, None, :].expand(B, H, T)[store]
-        self.k[dest] = k
-        self.v[dest] = v
-        self.pos[dest] = pos
-        self.stats[dest] = 0.0
+        self._write(dest, k, v, pos)
         if self.packed is not None:  # the lowest free slots of a packed head are the next ones
             self.packed = self.packed + n_new[:, None]
         return slots
+
+    def _write(self, slots: torch.Tensor, k, v, pos, stats=None) -> None:
+        """Store tokens in `slots` [n] (distinct): K, V [n, D], positions [n], statistics [n] (default 0)."""
+        self.k.index_copy_(0, slots, k)
+        self.v.index_copy_(0, slots, v)
+        self.pos.index_copy_(0, slots, pos)
+        if stats is None:
+            self.stats.index_fill_(0, slots, 0.0)
+        else:
+            self.stats.index_copy_(0, slots, stats)
 
     def _next_free(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Without a scan, when known: each head's lowest free slot (fill order) and the packed count once
@@ -217,11 +220,11 @@ class SlotLayer:
             return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
-        k, v, pos, stats = self.k[src], self.v[src], self.pos[src], self.stats[src]  # live, in fill order
+        k, v, pos, stats = (rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats))  # live, in fill order
         self.pos[index[live]] = -1
         index = self._into_runs(kept)
         dst = index[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]  # each head's first slots
-        self.k[dst], self.v[dst], self.pos[dst], self.stats[dst] = k, v, pos, stats
+        self._write(dst, k, v, pos, stats)
         self._release_empty()
 
     def fill(self, source: "SlotLayer", index: torch.Tensor, keep: torch.Tensor) -> None:
@@ -235,8 +238,7 @@ class SlotLayer:
         self._reserve_apart((kept - free).clamp(min=0))
         dst = self.slot_index()
         dst = dst[torch.arange(dst.shape[-1], device=dst.device) < kept[..., None]]
-        self.k[dst], self.v[dst] = source.k[src], source.v[src]
-        self.pos[dst], self.stats[dst] = source.pos[src], source.stats[src]
+        self._write(dst, *(rows.index_select(0, src) for rows in (source.k, source.v, source.pos, source.stats)))
         self.packed, self.single_hole = kept, None
 
     def _reserve_apart(self, free_needed: torch.Tensor) -> None:
