@@ -41,8 +41,8 @@ class SharedPrefill:
     logits: torch.Tensor  # [B, V] float32 after each prompt's last token
     seconds: float
 
-    # The prompts stored once per storage shape, with each statistic: (layout, block size, pool pages, after
-    # the prefill) -> (stored with no statistic, {statistic key: the same storage with that statistic}).
+    # The prompts stored once per storage shape: (layout, block size, pool pages, tokens after the prefill)
+    # -> (the cache, each layer's slots, {statistic key: the same storage with that statistic}).
     _stored: dict = field(default_factory=dict, repr=False)
 
     def fork_into(self, state: LoopState) -> torch.Tensor:
@@ -65,8 +65,8 @@ class SharedPrefill:
         stored it (kept here, shared by every cell of the same storage shape), and the cell's new cache,
         sized for what it keeps plus `after_prefill` [B], receives the kept tokens in their order, as
         compaction would have left them. The last logits."""
-        valid, _ = self._positions(state)
-        stored = self._stored_with(state, after_prefill, valid)
+        valid, positions = self._positions(state)
+        stored = self._stored_with(state, after_prefill, valid, positions)
         self._advance(state, valid)
         chosen = select_kept(state, stored.layers, budgets)
         choices = [(layer.slot_index(), layer.gather(layer.pos, layer.slot_index()) >= 0) if c is None else c
@@ -78,13 +78,13 @@ class SharedPrefill:
             layer.fill(source, index, keep)
         return self.logits.clone()
 
-    def _stored_with(self, state: LoopState, after_prefill: torch.Tensor, valid: torch.Tensor) -> KVCache:
+    def _stored_with(self, state: LoopState, after_prefill: torch.Tensor, valid: torch.Tensor,
+                     positions: torch.Tensor) -> KVCache:
         """The prompts as `fork_into` stores them in a new cache of `state`'s settings, with its statistic."""
         settings = state.settings
         shape = (settings.layout, settings.block_size, settings.pool_pages, tuple(after_prefill.tolist()))
         if shape not in self._stored:
             cache = new_cache(state.model, settings, valid.sum(1).cpu(), after_prefill)
-            _, positions = self._positions(state)
             slots = [layer.append(k, v, positions, valid) for layer, (k, v, _) in zip(cache.layers, self._kvs())]
             self._stored[shape] = (cache, slots, {})
         cache, slots, with_statistic = self._stored[shape]
