@@ -234,7 +234,8 @@ class SlotLayer:
         kept = keep.sum(-1)  # [B, H]
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
-        free = self._real(self.slot_index(), self.gather(self.pos, self.slot_index()) < 0).sum(-1)
+        own = self.slot_index()
+        free = self._real(own, self.gather(self.pos, own) < 0).sum(-1)
         self._reserve_apart((kept - free).clamp(min=0))
         dst = self.slot_index()
         dst = dst[torch.arange(dst.shape[-1], device=dst.device) < kept[..., None]]
