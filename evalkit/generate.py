@@ -2,15 +2,13 @@
 
 Read: `generate` → `start` (`prefill`, `compress`) → `Decoding` (a step: pick the tokens, `forward`
 them, evict). Every forward passes true `position_ids`, so eviction never shifts a token's position.
-Teacher forcing through the same cache: `score_continuations` (a continuation's
-log-probabilities after its prompt was compressed) and `score_rolling` (streaming
-log-likelihood of a whole text, compressed after every chunk).
+Teacher forcing through the same cache: `evalkit.teacher_forcing`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -299,14 +297,14 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     compressed, appended = split_prompts(requests, settings.query_aware)
     if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
         raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
-    lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
+    lengths, budget, evicting, budgets = run_budgets(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     max_new = torch.tensor([r.max_new_tokens for r in requests])
     begun = time.perf_counter()
     decode_evicts = bool(evicting.any()) and settings.decode_eviction
     decode_collect = policy.collect_decode if decode_evicts else None
     forks_compressed = shared is not None and not any(appended) and observe is None
-    state = _new_state(model, settings, lengths, budgets, extra + max_new, observe, with_cache=not forks_compressed)
+    state = new_state(model, settings, lengths, budgets, extra + max_new, observe, with_cache=not forks_compressed)
     state.collect = policy.collect_prefill if bool(evicting.any()) else None
     if forks_compressed:  # the cell's cache receives only what compression keeps (`SharedPrefill.fork_compressed`)
         logits = shared.fork_compressed(state, budgets, extra + max_new)
@@ -315,153 +313,12 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     prefill_seconds = time.perf_counter() - begun + (shared.seconds if shared is not None else 0.0)
 
     state.collect = decode_collect
-    _restrict_reads(state, budget, lengths, extra)
+    restrict_reads(state, budget, lengths, extra)
     return Decoding(state, requests, tokenizer, logits, budgets + extra, decode_evicts, lengths + extra,
                     prefill_seconds)
 
 
-@dataclass
-class ScoreRequest:
-    """A continuation to score after a prompt, by teacher forcing."""
-
-    context_ids: list[int]  # prefilled and compressed
-    question_ids: list[int]  # appended after compression when query-agnostic; part of the prompt otherwise
-    continuation_ids: list[int]  # scored token by token; at least one token
-
-
-@dataclass
-class Score:
-    logprobs: list[float]  # one per scored token
-    greedy: bool  # every scored token was the model's argmax
-    prompt_tokens: int
-    kept_tokens: float  # mean per layer and KV head after prefill (after the last chunk for rolling)
-    bytes_held: int
-    bytes_ideal: int
-    bytes_full: int
-
-
-@torch.inference_mode()
-def score_continuations(model, requests: list[ScoreRequest], settings: GenerationSettings,
-                        observe: Observer | None = None) -> list[Score]:
-    """Log-probabilities of each continuation, its prompt prefilled and compressed as `generate` would.
-
-    The continuation is then read through the sparse cache like an answer being decoded: with
-    decode eviction on (and a sequence being evicted) or a read restriction (Quest), one token per
-    forward with eviction after each; otherwise all its tokens in one forward. Requests that share
-    the prompt and all but the last continuation token share one pass (multiple-choice answers).
-    """
-    groups: dict[tuple, int] = {}
-    for r in requests:
-        groups.setdefault((tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1])), len(groups))
-    member = [groups[(tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1]))]
-              for r in requests]
-    unique = [requests[member.index(g)] for g in range(len(groups))]
-    policy = settings.policy
-    compressed, appended = split_prompts(unique, settings.query_aware)
-    lengths, budget, evicting, budgets = _budgets(model, settings, compressed)
-    extra = torch.tensor([len(t) for t in appended])
-    fed = [r.continuation_ids[:-1] for r in unique]  # the last token is predicted, never fed
-    state = _new_state(model, settings, lengths, budgets, extra + torch.tensor([len(f) for f in fed]), observe)
-    cache = state.cache
-    # Per unique prompt: log-probs of the shared continuation tokens, greedy so far, last distribution.
-    shared: list[list[float]] = [[] for _ in unique]
-    greedy = [True] * len(unique)
-    last: list[torch.Tensor | None] = [None] * len(unique)
-
-    def take(b: int, rows: torch.Tensor, first: int) -> None:
-        """rows [n, V] log-probs predicting continuation tokens first .. first+n-1 of unique[b]."""
-        cont = unique[b].continuation_ids
-        n_shared = max(0, min(len(rows), len(cont) - 1 - first))
-        if n_shared:
-            targets = torch.tensor(cont[first:first + n_shared], device=rows.device)
-            shared[b] += rows[:n_shared].gather(1, targets[:, None])[:, 0].tolist()
-            greedy[b] = greedy[b] and bool((rows[:n_shared].argmax(-1) == targets).all())
-        if first + len(rows) == len(cont):
-            last[b] = rows[-1].cpu()
-
-    with evalkit_attention(model):
-        decode_evicts = bool(evicting.any()) and settings.decode_eviction
-        decode_collect = policy.collect_decode if decode_evicts else None
-        state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        logits = prefill(state, compressed, appended, budgets, decode_collect)
-        kept = cache.kept_tokens().float().mean(dim=(0, 2))
-        held, ideal = cache.bytes_held(), cache.bytes_ideal()
-        logprobs = torch.log_softmax(logits, -1)
-        for b in range(len(unique)):
-            take(b, logprobs[b:b + 1], 0)
-
-        state.collect = decode_collect
-        _restrict_reads(state, budget, lengths, extra)
-        stepwise = decode_evicts or (policy.restricts_reads and bool((budget < lengths).any()))
-        if stepwise:
-            for step in range(max(len(f) for f in fed)):
-                logits, counts = forward(state, [f[step:step + 1] for f in fed])
-                compress(state, budgets + extra)
-                logprobs = torch.log_softmax(logits, -1)
-                for b in range(len(unique)):
-                    if counts[b]:
-                        take(b, logprobs[b:b + 1], step + 1)
-        elif any(fed):
-            logits, counts = forward(state, fed, all_logits=True)
-            width = logits.shape[1]
-            for b in range(len(unique)):
-                if counts[b]:
-                    take(b, torch.log_softmax(logits[b, width - int(counts[b]):], -1), 1)
-
-    scores = []
-    for r, g in zip(requests, member):
-        final = last[g][r.continuation_ids[-1]]
-        prompt = len(compressed[g]) + len(appended[g])
-        scores.append(Score(shared[g] + [float(final)], greedy[g] and int(last[g].argmax()) == r.continuation_ids[-1],
-                            prompt, float(kept[g]), int(held[g]), int(ideal[g]), prompt * cache.bytes_per_token()))
-    return scores
-
-
-@torch.inference_mode()
-def score_rolling(model, sequences: list[list[int]], scored: list[int], settings: GenerationSettings,
-                  observe: Observer | None = None) -> list[Score]:
-    """Streaming log-likelihood: the log-probability of the last `scored[b]` tokens of `sequences[b]`.
-
-    Every token but the last is fed in chunks of `settings.chunk_size` (whatever `settings.prefill`:
-    in one chunk nothing would be read through the sparse cache), compressing to the budget, a
-    fraction of the fed tokens, after every chunk; so each token is predicted from the ones before it
-    that the cache kept, plus its own chunk, and the cache never exceeds budget + chunk.
-    """
-    settings = replace(settings, prefill="chunked")
-    policy = settings.policy
-    inputs = [list(s[:-1]) for s in sequences]
-    lengths, _, evicting, budgets = _budgets(model, settings, inputs)
-    state = _new_state(model, settings, lengths, budgets, torch.zeros(len(inputs), dtype=torch.long), observe)
-    cache = state.cache
-    first_scored = [len(t) - n for t, n in zip(inputs, scored)]
-    logprobs: list[list[float]] = [[] for _ in inputs]
-    greedy = [True] * len(inputs)
-    chunk = settings.chunk_size
-    with evalkit_attention(model):
-        state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        for start in range(0, max(len(t) for t in inputs), chunk):
-            logits, counts = forward(state, [t[start:start + chunk] for t in inputs], all_logits=True)
-            width = logits.shape[1]
-            for b, sequence in enumerate(sequences):
-                n = int(counts[b])
-                skip = max(0, first_scored[b] - start)  # fed positions before the scored part
-                if n <= skip:
-                    continue
-                rows = torch.log_softmax(logits[b, width - n + skip:], -1)
-                targets = torch.tensor(sequence[start + skip + 1:start + n + 1], device=rows.device)
-                logprobs[b] += rows.gather(1, targets[:, None])[:, 0].tolist()
-                greedy[b] = greedy[b] and bool((rows.argmax(-1) == targets).all())
-            compress(state, budgets)
-        state.cache.compact()
-        if observe:
-            observe("prefill", cache)
-        kept = cache.kept_tokens().float().mean(dim=(0, 2))
-        held, ideal = cache.bytes_held(), cache.bytes_ideal()
-    return [Score(logprobs[b], greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]),
-                  int(lengths[b]) * cache.bytes_per_token()) for b in range(len(inputs))]
-
-
-def _budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
+def run_budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
     """(lengths [B], budget [B] in tokens, evicting [B] bool, per-layer caps [L, B]) for the compressed prompts."""
     policy = settings.policy
     lengths = torch.tensor([len(t) for t in compressed])
@@ -475,7 +332,7 @@ def _budgets(model, settings: GenerationSettings, compressed: list[list[int]]):
     return lengths, budget, evicting, budgets
 
 
-def _new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budgets: torch.Tensor,
+def new_state(model, settings: GenerationSettings, lengths: torch.Tensor, budgets: torch.Tensor,
                after_prefill: torch.Tensor, observe: Observer | None, with_cache: bool = True) -> LoopState:
     """A state whose cache holds the prefill's peak plus `after_prefill` [B] more tokens per head (none yet
     without `with_cache`)."""
@@ -493,7 +350,7 @@ def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_pre
                           model.dtype, model.device, settings.pool_pages)
 
 
-def _restrict_reads(state: LoopState, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:
+def restrict_reads(state: LoopState, budget: torch.Tensor, lengths: torch.Tensor, extra: torch.Tensor) -> None:
     """Install the policy's decode-time read restriction (Quest), if it has one."""
     policy, settings = state.policy, state.settings
     if policy.restricts_reads:

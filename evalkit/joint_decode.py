@@ -36,7 +36,7 @@ def generate_cells(model, tokenizer, requests: list[Request], cells: list[Genera
                    shared: SharedPrefill) -> list[list[Generation]]:
     """`generate(model, tokenizer, requests, settings, shared=shared)` for every settings in `cells`,
     the same generations, decoded together: all of them, or as many at a time as their caches fit in
-    half the free memory (each holds the whole prompt until it is compressed). A cell's `decode_seconds`
+    half the free memory. A cell's `decode_seconds`
     is the time of its own work (token choice, attention, eviction) plus an even share of each joint
     forward's rest."""
     joint_possible = len(cells) > 1 and _model_rows_apart(model, len(requests))

@@ -27,7 +27,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate, score_rolling
+from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.teacher_forcing import score_rolling
 from evalkit.joint_decode import generate_cells
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy

@@ -13,7 +13,8 @@ import torch
 from conftest import tiny_model
 from evalkit import models
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
+from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.teacher_forcing import ScoreRequest, score_continuations, score_rolling
 from evalkit.integrations.lm_eval import EvalkitLM
 from evalkit.integrations.lm_eval_command import main, save_run
 from evalkit.policies import make_policy
