@@ -329,10 +329,10 @@ class PagedLayer(SlotLayer):
             table = self.tables[b][h]
             if table[:len(run)] == run or run[-1] >= self.pool.num_pages:
                 continue
-            mine = set(table)
+            mine, run_pages = set(table), set(run)
             if all(page in mine or self.pool.is_free(page) for page in run):
                 self.pool.take([page for page in run if page not in mine])
-                self.tables[b][h] = run + [page for page in table if page not in set(run)]
+                self.tables[b][h] = run + [page for page in table if page not in run_pages]
                 self._index = None
         return self.slot_index()
 
