@@ -115,10 +115,11 @@ def test_pool_exhaustion_names_the_pool_size_and_the_amount_asked():
 def test_paged_append_evict_and_hole_reuse():
     layer = paged(1, 2, pages=8, block=2)
     k, v = append(layer, [[0, 1, 2]])
-    # 3 tokens, block 2 -> 2 pages per head; (b0, h0) is served first: pages 0, 1; then h1: 2, 3
-    assert layer.tables == [[[0, 1], [2, 3]]]
+    # 3 tokens, block 2 -> 2 pages per head; an empty layer starts head i at its equal share of the pool,
+    # page i * (8 // 2): h0 takes 0, 1; h1 takes 4, 5 (room to grow in place)
+    assert layer.tables == [[[0, 1], [4, 5]]]
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    assert view.index.tolist() == [[[0, 1, 2, 3], [8, 9, 10, 11]]]
     assert view.pos.tolist() == [[[0, 1, 2, -1], [0, 1, 2, -1]]]
     assert torch.equal(view.k[0, 0, :3], k[0, 0]) and torch.equal(view.v[0, 1, :3], v[0, 1])
     assert (layer.pool.num_free, layer.pool.num_used) == (4, 4)
@@ -126,47 +127,47 @@ def test_paged_append_evict_and_hole_reuse():
     assert layer.bytes_held().tolist() == [8 * TOKEN_BYTES]  # 4 pages of 2 slots
     assert layer.bytes_ideal().tolist() == [6 * TOKEN_BYTES]
 
-    # per-head eviction: head 0 drops position 1, head 1 drops 0 and 1 (its page 2 empties)
+    # per-head eviction: head 0 drops position 1, head 1 drops 0 and 1 (its page 4 empties)
     evict_positions(layer, [[[1], [0, 1]]])
-    assert layer.tables == [[[0, 1], [3]]]
+    assert layer.tables == [[[0, 1], [5]]]
     assert layer.pool.num_free == 5
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 2, 3], [6, 7, 16, 17]]]  # h1 padded with the sentinel page 8
+    assert view.index.tolist() == [[[0, 1, 2, 3], [10, 11, 16, 17]]]  # h1 padded with the sentinel page 8
     assert view.pos.tolist() == [[[0, -1, 2, -1], [2, -1, -1, -1]]]
     assert layer.live_counts().tolist() == [[2, 1]]
     assert layer.bytes_held().tolist() == [6 * TOKEN_BYTES]
     assert layer.bytes_ideal().tolist() == [3 * TOKEN_BYTES]
 
-    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 7, then takes the page after its last
-    # one, 4, free, rather than the lowest free page, 2: its pages stay one run
+    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 11, then takes the page after its last
+    # one, 6, free, rather than the lowest free page, 2: its pages stay one run
     k2, v2 = append(layer, [[3, 4]], tag=1)
-    assert layer.tables == [[[0, 1], [3, 4]]]
+    assert layer.tables == [[[0, 1], [5, 6]]]
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 2, 3], [6, 7, 8, 9]]]
+    assert view.index.tolist() == [[[0, 1, 2, 3], [10, 11, 12, 13]]]
     assert view.pos.tolist() == [[[0, 3, 2, 4], [2, 3, 4, -1]]]
     assert torch.equal(layer.k[1], k2[0, 0, 0]) and torch.equal(layer.k[3], k2[0, 0, 1])
-    assert torch.equal(layer.k[7], k2[0, 1, 0]) and torch.equal(layer.v[8], v2[0, 1, 1])
-    assert torch.equal(layer.k[0], k[0, 0, 0]) and torch.equal(layer.k[6], k[0, 1, 2])  # untouched
+    assert torch.equal(layer.k[11], k2[0, 1, 0]) and torch.equal(layer.v[12], v2[0, 1, 1])
+    assert torch.equal(layer.k[0], k[0, 0, 0]) and torch.equal(layer.k[10], k[0, 1, 2])  # untouched
     assert layer.pool.num_free == 4
 
 
 def test_paged_compact_packs_each_head_and_moves_k_v_pos_stats():
     layer = paged(1, 2, pages=8, block=2)
     k, v = append(layer, [[0, 1, 2, 3, 4, 5]])
-    assert layer.tables == [[[0, 1, 2], [3, 4, 5]]]
+    assert layer.tables == [[[0, 1, 2], [4, 5, 6]]]  # head i from page i * (8 // 2)
     evict_positions(layer, [[[0, 2, 3, 5], [1, 2, 4]]])  # head 0 keeps 1, 4; head 1 keeps 0, 3, 5
-    assert layer.tables == [[[0, 2], [3, 4, 5]]]  # page 1 held positions 2, 3 only
+    assert layer.tables == [[[0, 2], [4, 5, 6]]]  # page 1 held positions 2, 3 only
     view = layer.read()
     assert view.pos.tolist() == [[[-1, 1, 4, -1, -1, -1], [0, -1, -1, 3, -1, 5]]]
     stats = torch.where(view.pos >= 0, view.pos * 10 + torch.tensor([0, 1]).view(1, 2, 1), 0).float()
     layer.add_stats(view.index, stats)  # h0: pos1 -> 10, pos4 -> 40; h1: pos0 -> 1, pos3 -> 31, pos5 -> 51
 
     layer.compact()
-    # head 0: 2 live -> ceil(2/2) = 1 page (its first, page 0); head 1: 3 live -> 2 pages (3, 4)
-    assert layer.tables == [[[0], [3, 4]]]
+    # head 0: 2 live -> ceil(2/2) = 1 page (its first, page 0); head 1: 3 live -> 2 pages (4, 5)
+    assert layer.tables == [[[0], [4, 5]]]
     assert layer.pool.num_free == 5
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 16, 17], [6, 7, 8, 9]]]
+    assert view.index.tolist() == [[[0, 1, 16, 17], [8, 9, 10, 11]]]
     assert view.pos.tolist() == [[[1, 4, -1, -1], [0, 3, 5, -1]]]  # fill order kept
     assert live_stats(view).tolist() == [[[10, 40, 0, 0], [1, 31, 51, 0]]]
     assert torch.equal(view.k[0, 0, :2], k[0, 0, [1, 4]]) and torch.equal(view.v[0, 0, :2], v[0, 0, [1, 4]])
@@ -174,12 +175,12 @@ def test_paged_compact_packs_each_head_and_moves_k_v_pos_stats():
     assert layer.bytes_held().tolist() == [6 * TOKEN_BYTES]
     assert layer.bytes_ideal().tolist() == [5 * TOKEN_BYTES]
 
-    # next token: head 0's only page is full -> lowest free page 1; head 1 fills slot 9 (new stats 0)
+    # next token: head 0's only page is full -> the page after it, 1, free; head 1 fills slot 11 (new stats 0)
     append(layer, [[6]], tag=1)
-    assert layer.tables == [[[0, 1], [3, 4]]]
+    assert layer.tables == [[[0, 1], [4, 5]]]
     view = layer.read()
     assert view.pos.tolist() == [[[1, 4, 6, -1], [0, 3, 5, 6]]]
-    # a new token starts at 0 even in slot 9, which held position 3 (stat 31) before the compact
+    # a new token starts at 0 even in slot 11, which held position 3 (stat 31) before the compact
     assert live_stats(view).tolist() == [[[10, 40, 0, 0], [1, 31, 51, 0]]]
 
 
@@ -202,17 +203,17 @@ def test_paged_padding_is_not_stored_and_rows_allocate_in_order():
     layer = paged(2, 2, pages=8, block=2)
     # row 0: 3 tokens then padding; row 1: left padding then 1 token
     k, v = append(layer, [[0, 1, 2, 9], [7, 8, 9, 0]], valid=[[True, True, True, False], [False, False, False, True]])
-    # (0,0): 2 pages, (0,1): 2 pages, (1,0): 1 page, (1,1): 1 page, lowest ids in that order
-    assert layer.tables == [[[0, 1], [2, 3]], [[4], [5]]]
+    # (0,0): 2 pages, (0,1): 2 pages, (1,0): 1 page, (1,1): 1 page, head i of that order from page i * (8 // 4)
+    assert layer.tables == [[[0, 1], [2, 3]], [[4], [6]]]
     view = layer.read()
     assert view.pos.tolist() == [[[0, 1, 2, -1], [0, 1, 2, -1]], [[0, -1, -1, -1], [0, -1, -1, -1]]]
-    assert torch.equal(layer.k[8], k[1, 0, 3]) and torch.equal(layer.v[10], v[1, 1, 3])
+    assert torch.equal(layer.k[8], k[1, 0, 3]) and torch.equal(layer.v[12], v[1, 1, 3])
     assert layer.live_counts().tolist() == [[3, 3], [1, 1]]
     assert layer.bytes_held().tolist() == [8 * TOKEN_BYTES, 4 * TOKEN_BYTES]
     assert layer.bytes_ideal().tolist() == [6 * TOKEN_BYTES, 2 * TOKEN_BYTES]
     # a step where only row 1 has a token: row 0 is untouched
     append(layer, [[5], [1]], valid=[[False], [True]], tag=1)
-    assert layer.tables == [[[0, 1], [2, 3]], [[4], [5]]]
+    assert layer.tables == [[[0, 1], [2, 3]], [[4], [6]]]
     assert layer.read().pos.tolist()[1] == [[0, 1, -1, -1], [0, 1, -1, -1]]
     # an all-padding step changes nothing
     append(layer, [[5], [2]], valid=[[False], [False]], tag=2)
@@ -239,13 +240,13 @@ def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathere
     from evalkit.attention import attention_reference
 
     layer = paged(1, 3, pages=30, block=4)
-    append(layer, [list(range(30))])  # 8 pages a head: 0-7, 8-15, 16-23
+    append(layer, [list(range(30))])  # 8 pages a head, from its share of the pool: 0-7, 10-17, 20-27
     evict_positions(layer, [[list(range(0, 30, 3)), list(range(1, 30, 2)), [4, 5, 6, 7, 8, 9, 10, 11, 12]]])
     layer.compact()  # heads keep their first pages; the rest go back to the pool
     for position in (30, 31, 32):  # decode: a head that fills its last page takes the next one, still a run
         append(layer, [[position]], tag=position)
     view = layer.read()
-    assert layer._runs == (0, 32)  # heads start at slots 0, 32, 64
+    assert layer._runs == (0, 40)  # heads start at slots 0, 40, 80
     assert view.k.data_ptr() == layer.k.data_ptr() and view.v._base is layer.v  # views, not copies
     gathered_k, gathered_v = layer.gather(layer.k, view.index), layer.gather(layer.v, view.index)
     live = view.pos >= 0
@@ -304,7 +305,8 @@ def test_dense_padding_is_not_stored():
 # --- random operation sequences against a model ------------------------------------------------
 
 class PagedModel:
-    """Plain-Python paged layout: pool (the page after a head's last one if free, else the lowest free id),
+    """Plain-Python paged layout: pool (an empty layer's head i from page i * (pages // heads), where every
+    head's need fits that share; later the page after a head's last one if free, else the lowest free id),
     block tables, page contents, fill order."""
 
     def __init__(self, B, H, S, num_pages):
@@ -325,6 +327,15 @@ class PagedModel:
                  for h in range(self.H)] for b in range(self.B)]
         if sum(map(sum, need)) > len(self.free):
             return False
+        share = self.num_pages // (self.B * self.H)
+        if not any(t for row in self.tables for t in row) and max(map(max, need)) <= share:
+            for i in range(self.B * self.H):
+                b, h = divmod(i, self.H)
+                self.tables[b][h] = list(range(i * share, i * share + need[b][h]))
+                for page in self.tables[b][h]:
+                    self.free.remove(page)
+                    self.pages[page] = [None] * self.S
+            need = [[0] * self.H for _ in range(self.B)]
         for b in range(self.B):
             for h in range(self.H):
                 for _ in range(need[b][h]):

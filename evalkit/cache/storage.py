@@ -132,7 +132,7 @@ class SlotLayer:
         free = self._real(index, self.gather(self.pos, index) < 0)
         missing = (n_new[:, None] - free.sum(-1)).clamp(min=0)
         if bool(missing.any()):
-            self._reserve(missing)
+            self._reserve_apart(missing)
             index = self.slot_index()
             free = self._real(index, self.gather(self.pos, index) < 0)
         # The i-th new token of a head takes its i-th free slot in fill order.
