@@ -158,7 +158,9 @@ def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[t
         if bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
             continue
         keys = view.k if policy.reads_keys else None
-        scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end))
+        key_norms = view.key_norms if policy.reads_key_norms else None
+        scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end,
+                                         key_norms))
         over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
     chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
     if over:

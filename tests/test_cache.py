@@ -464,6 +464,9 @@ def check_tokens(layer, data):
             for p, (k, v, stat) in expected.items():
                 assert torch.equal(held[p][0], k) and torch.equal(held[p][1], v)
                 assert held[p][2] == stat
+    view = layer.read()  # key norms, kept by every write from the first check on, equal fresh ones
+    live = view.pos >= 0
+    assert torch.equal(view.key_norms[live], view.k[live].double().norm(dim=-1))
     assert layer.bytes_ideal().tolist() == [sum(len(d) for d in row) * TOKEN_BYTES for row in data]
 
 

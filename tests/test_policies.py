@@ -24,6 +24,7 @@ def score_input(attention=None, keys=None, positions=None, stat_end=None, layer=
     positions = positions if positions is not None else torch.arange(N).expand(B, H, N)
     keys = keys if keys is not None else torch.zeros(B, H, N, 4)
     inp = ScoreInput(keys, positions, attention if attention is not None else torch.zeros(B, H, N), layer, seed)
+    inp.key_norms = keys.double().norm(dim=-1)  # what the storage keeps for a scorer that `reads_key_norms`
     # Set after construction (not as a keyword) so that the same test runs on the pre-fix code, which had no
     # stat_end, and fails on its assertion rather than on a TypeError.
     inp.stat_end = torch.as_tensor(stat_end) if stat_end is not None else None

@@ -123,9 +123,10 @@ def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -
     seen = torch.tensor([n])
     tokens = resolve_budget(budget, seen)
     recent = torch.minimum(policy.recent_count(tokens), tokens)
+    key_norms = keys.double().norm(dim=-1)  # kept by the storage (`SlotLayer.key_norms`), not part of a step
 
     def call():
-        scores = policy.score(ScoreInput(keys, positions, attention, 0, 0, seen))
+        scores = policy.score(ScoreInput(keys, positions, attention, 0, 0, seen, key_norms))
         policy.select(scores.cpu(), positions.cpu(), seen, tokens, 16, recent)
 
     return {"policy": policy_name, "n": n, "budget": budget, "kept": int(tokens),

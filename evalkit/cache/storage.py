@@ -48,6 +48,16 @@ class SlotView:
         """[B, H_kv, N] float32 policy statistic"""
         return self.layer.gather(self.layer.stats, self.index)
 
+    @functools.cached_property
+    def key_norms(self) -> torch.Tensor:
+        """[B, H_kv, N] float64 L2 norm of each slot's key (`SlotLayer.key_norms`)"""
+        return self.layer.gather(self.layer.key_norms(), self.index)
+
+
+def _norms(k: torch.Tensor) -> torch.Tensor:
+    """[n] float64 L2 norms of keys [n, D]: float64, since float32 would order near-equal norms by rounding noise."""
+    return k.double().norm(dim=-1)
+
 
 class SlotLayer:
     def __init__(self, batch: int, kv_heads: int, head_dim: int, num_slots: int, sentinel_slots: int,
@@ -65,6 +75,7 @@ class SlotLayer:
         # slots are its first `end` minus the one at `hole` (hole == end: none lost). Decoding fills the
         # hole and the layer is packed again, so decode eviction never scans for free slots either.
         self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
 
     # layout-specific -------------------------------------------------------
@@ -97,6 +108,13 @@ class SlotLayer:
         """rows[index] for a per-slot array (k, v, pos, stats) and this layer's `slot_index()`:
         [*index.shape, *rows.shape[1:]]. May be a view of `rows`: read it before the next write."""
         return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
+
+    def key_norms(self) -> torch.Tensor:
+        """[slots] float64 L2 norm of each slot's key. Computed for every slot when first asked for, then
+        kept by every write: a key-norm scorer reads it each decode step instead of every kept key."""
+        if self._key_norms is None:
+            self._key_norms = _norms(self.k)
+        return self._key_norms
 
     def gather_kv(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """`gather` for K or V, whose rows are only read where the slot is live (attention masks the rest):
@@ -167,6 +185,8 @@ class SlotLayer:
             self.stats.index_fill_(0, slots, 0.0)
         else:
             self.stats.index_copy_(0, slots, stats)
+        if self._key_norms is not None:
+            self._key_norms.index_copy_(0, slots, _norms(k))
 
     def _next_free(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Without a scan, when known: each head's lowest free slot (fill order) and the packed count once

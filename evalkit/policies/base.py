@@ -27,6 +27,7 @@ class ScoreInput:
     layer: int
     seed: int
     stat_end: torch.Tensor | None = None  # [B] tokens seen at the last forward that collected the statistic
+    key_norms: torch.Tensor | None = None  # [B, H_kv, N] float64 L2 norms of the keys; None unless `reads_key_norms`
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Policy:
     evicts: ClassVar[bool] = True  # False: keeps everything whatever the budget
     restricts_reads: ClassVar[bool] = False  # True: `attended_slots` limits what decode queries read
     reads_keys: ClassVar[bool] = False  # True: `score` reads ScoreInput.keys (gathered for it only then)
+    reads_key_norms: ClassVar[bool] = False  # True: `score` reads ScoreInput.key_norms (kept by the storage)
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
     arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
     arg_choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # field name -> allowed string values

@@ -12,11 +12,10 @@ class KeyNorm(Policy):
     description = "keeps the keys of lowest L2 norm; needs no attention statistics"
     scorer = "negative key L2 norm"
     paper = "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)"
-    reads_keys = True
+    reads_key_norms = True
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        # float64, not float32: a cast to float32 would order near-equal norms by rounding noise
-        return -inp.keys.double().norm(dim=-1)
+        return -inp.key_norms  # float64, computed once per stored key
 
 
 register_presets(KeyNorm, "knorm")
