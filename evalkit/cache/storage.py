@@ -56,7 +56,7 @@ class SlotView:
 
 def _norms(k: torch.Tensor) -> torch.Tensor:
     """[n] float64 L2 norms of keys [n, D]: float64, since float32 would order near-equal norms by rounding noise."""
-    return k.double().norm(dim=-1)
+    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
 
 
 class SlotLayer:
