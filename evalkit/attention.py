@@ -97,9 +97,12 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         # Decoding: a KV head's G query heads are the rows of one attention, so K and V are never
         # repeated and one mask row serves them all.
         allowed = _visible(q_pos[:, None, :], k_pos, sliding_window)  # [B, H_kv, N]
-        allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
-        out = F.scaled_dot_product_attention(q.view(B, H_kv, G, D), k, v, attn_mask=allowed[:, :, None, :],
-                                             scale=scaling)
+        if bool(allowed.all()):  # no hole, no padding (a full cache): no mask, the same bits, a faster kernel
+            mask = None
+        else:
+            allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
+            mask = allowed[:, :, None, :]
+        out = F.scaled_dot_product_attention(q.view(B, H_kv, G, D), k, v, attn_mask=mask, scale=scaling)
         return out.view(B, 1, H_q, D), None
     q = q.view(B, H_kv, G, T, D)
     out = torch.empty(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)

@@ -377,3 +377,21 @@ def test_a_fresh_prompt_attends_bit_for_bit_as_sdpa_with_grouped_heads(gen, G, d
     out, _ = attention.prompt_attention(q, pos, valid, k, v, SCALING, counted=[valid])
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALING, enable_gqa=True)
     assert torch.equal(out, sdpa.transpose(1, 2)), f"seed={gen.seed}"
+
+
+@pytest.mark.parametrize("G", GROUPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [1, 37, 2048])
+def test_a_decode_query_that_sees_every_slot_attends_bit_for_bit_as_with_the_mask(gen, G, dtype, N):
+    """Where every slot is visible (a full cache: no hole, no padding) decode attention runs SDPA without a
+    mask, faster on CPU; it gives the masked call's bits, which views with holes (the dense layout's
+    unused width, an evicted token) still take, so layouts and policies at full budget keep agreeing."""
+    H_kv = 2
+    q = torch.randn(1, 1, H_kv * G, D, generator=gen.g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(1, H_kv, N, D, generator=gen.g).to(dtype) for _ in range(2))
+    k_pos = torch.randperm(N, generator=gen.g).expand(1, H_kv, N)  # any slot order
+    out, _ = attention_reference(q, torch.tensor([[N]]), torch.ones(1, 1, dtype=torch.bool), k, v, k_pos, SCALING)
+    every = torch.ones(1, H_kv, 1, N, dtype=torch.bool)
+    masked = torch.nn.functional.scaled_dot_product_attention(q.reshape(1, H_kv, G, D), k, v, attn_mask=every,
+                                                              scale=SCALING)
+    assert torch.equal(out, masked.view(1, 1, H_kv * G, D)), f"seed={gen.seed}"
