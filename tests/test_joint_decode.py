@@ -51,10 +51,12 @@ def shared_prefill(model, batch, cells, query_aware):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["llama", "qwen2 (biased projections)"])
-def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arch):
+@pytest.mark.parametrize("count", [3, 12], ids=["3 cells (own products)", "12 cells (batched matmul)"])
+def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arch, count):
+    assert (count <= joint_decode._OWN_PRODUCTS_UP_TO) == (count == 3)  # each linear path once
     model = wide_model(arch)
     batch = batch_of(2, torch.Generator().manual_seed(0))
-    cells = cells_of(query_aware=True)[:12]
+    cells = cells_of(query_aware=True)[2:2 + count]
     shared = shared_prefill(model, batch, cells, True)
     with evalkit_attention(model):
         together = [start(model, None, batch, c, shared=shared) for c in cells]
