@@ -232,6 +232,20 @@ def test_paged_pool_too_small_raises_and_changes_nothing():
     assert layer.tables == [[[0], [1]]]
 
 
+def test_a_full_cache_keeps_its_k_and_v_views_through_decoding():
+    """A prefill into an empty layer starts each head at its share of the pool, so the pages decoding adds
+    follow each head's run and K/V stay strided views (before, the next head's pages followed directly)."""
+    layer = paged(1, 3, pages=30, block=4)
+    append(layer, [list(range(30))])  # 8 pages a head, the last one half full
+    assert layer.tables == [[list(range(0, 8)), list(range(10, 18)), list(range(20, 28))]]
+    for position in range(30, 37):  # crosses into a ninth page a head
+        append(layer, [[position]], tag=position)
+    assert layer.tables == [[list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]]
+    view = layer.read()
+    assert layer._runs == (0, 40) and view.k.data_ptr() == layer.k.data_ptr()
+    assert view.pos.tolist() == [[list(range(37)) + [-1, -1, -1]] * 3]
+
+
 # --- DenseLayer, exact state -------------------------------------------------------------------
 
 def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathered_copy():
