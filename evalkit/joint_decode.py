@@ -5,9 +5,9 @@ shared prefill (`shared_prefill`). Their weights are the same, so `generate_cell
 cell's next tokens through one forward: each cell's rows attend over its own cache with its own
 plan (`attention.CellPlans`), and every `nn.Linear` computes a cell's rows as one entry of a
 batched matmul, or for a few cells as its own product (`cellwise_linears`) — bit for bit what the
-cell's own forward computes, where one
-matmul over all cells' rows would not be (a row's result depends on how many rows the kernel is
-given: 25 rows at once differ from one at a time in the last bits). Before cells decode together,
+cell's own forward computes, where one matmul over all cells' rows would not be (a row's result
+depends on how many rows the kernel is given: 25 rows at once differ from one at a time in the last
+bits). Before cells decode together,
 probes check exactly that on this model, device and shapes (`_model_rows_apart`, `_linears_apart`);
 where they fail (rows that meet outside `nn.Linear`, a device whose batched kernels differ) cells
 decode one by one.

@@ -112,6 +112,7 @@ def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None) -> d
 
 def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -> dict:
     """A policy's `score` and `select` over n slots of one layer, as `compress` runs them."""
+    from evalkit.cache.storage import key_norms_of
     from evalkit.policies import ScoreInput, make_policy, resolve_budget
 
     device = torch.device(shape.device)
@@ -123,7 +124,7 @@ def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -
     seen = torch.tensor([n])
     tokens = resolve_budget(budget, seen)
     recent = torch.minimum(policy.recent_count(tokens), tokens)
-    key_norms = keys.double().norm(dim=-1)  # kept by the storage (`SlotLayer.key_norms`), not part of a step
+    key_norms = key_norms_of(keys)  # kept by the storage (`SlotLayer.key_norms`), not part of a step
 
     def call():
         scores = policy.score(ScoreInput(keys, positions, attention, 0, 0, seen, key_norms))

@@ -54,8 +54,8 @@ class SlotView:
         return self.layer.gather(self.layer.key_norms(), self.index)
 
 
-def _norms(k: torch.Tensor) -> torch.Tensor:
-    """[n] float64 L2 norms of keys [n, D]: float64, since float32 would order near-equal norms by rounding noise."""
+def key_norms_of(k: torch.Tensor) -> torch.Tensor:
+    """[...] float64 L2 norms of keys [..., D]: float64, since float32 would order near-equal norms by rounding noise."""
     return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
 
 
@@ -113,7 +113,7 @@ class SlotLayer:
         """[slots] float64 L2 norm of each slot's key. Computed for every slot when first asked for, then
         kept by every write: a key-norm scorer reads it each decode step instead of every kept key."""
         if self._key_norms is None:
-            self._key_norms = _norms(self.k)
+            self._key_norms = key_norms_of(self.k)
         return self._key_norms
 
     def gather_kv(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -186,7 +186,7 @@ class SlotLayer:
         else:
             self.stats.index_copy_(0, slots, stats)
         if self._key_norms is not None:
-            self._key_norms.index_copy_(0, slots, _norms(k))
+            self._key_norms.index_copy_(0, slots, key_norms_of(k))
 
     def _next_free(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Without a scan, when known: each head's lowest free slot (fill order) and the packed count once
