@@ -295,7 +295,7 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan.attend_filter is None and use_triton(plan.kernels, query):
         return _kernel_attention(layer, query, key, value, plan, scaling, sliding_window), None
     layer.append(key, value, plan.positions, plan.valid)
-    view = layer.read()
+    view = layer.read(trim=True)
     visible = view.pos
     if plan.attend_filter is not None:
         read = plan.attend_filter(module.layer_idx, query[:, :, -1], view.k, view.pos)

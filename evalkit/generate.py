@@ -153,9 +153,13 @@ def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[t
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     recents = torch.minimum(policy.recent_count(budgets) + unscored, budgets)  # [L, B]
     over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over budget
+    fewest_kept = budgets.amin(1).tolist()  # [L]
     for layer_idx, layer in enumerate(layers):
-        view = layer.read()
-        if bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
+        view = layer.read(trim=True)
+        if view.all_live:  # every head holds the view's width
+            if view.index.shape[-1] <= fewest_kept[layer_idx]:
+                continue
+        elif bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
             continue
         keys = view.k if policy.reads_keys else None
         key_norms = view.key_norms if policy.reads_key_norms else None

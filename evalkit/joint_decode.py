@@ -91,6 +91,7 @@ def _free_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+@torch.inference_mode()
 def forward_cells(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:
     """One forward feeding cell i (`states[i]`) its rows `tokens[i]`, one token each: each cell's
     last-token logits [B, V] as its own `generate.forward` gives them, and the seconds each spent in its
@@ -139,10 +140,16 @@ _OWN_PRODUCTS_UP_TO = 3
 
 
 def _cellwise_linear(linear: torch.nn.Linear, cells: int, x: torch.Tensor) -> torch.Tensor:
-    if cells <= _OWN_PRODUCTS_UP_TO:
-        return torch.cat([torch.nn.functional.linear(part, linear.weight, linear.bias) for part in x.chunk(cells)])
     rows = x.reshape(cells, -1, x.shape[-1])  # [cells, rows of a cell, in]
     weight, bias = linear.weight.t(), linear.bias  # [in, out], a view
+    if cells <= _OWN_PRODUCTS_UP_TO:  # F.linear's own products (mm, or addmm with a bias), written in place
+        out = x.new_empty(cells, rows.shape[1], weight.shape[1])
+        for cell in range(cells):
+            if bias is None:
+                torch.mm(rows[cell], weight, out=out[cell])
+            else:
+                torch.addmm(bias, rows[cell], weight, out=out[cell])
+        return out.view(*x.shape[:-1], -1)
     outputs = weight.shape[1]
     chunk = _CHUNK_OUTPUTS if weight.numel() * weight.element_size() > _CACHED_WEIGHT_BYTES else outputs
     parts = []

@@ -31,6 +31,7 @@ class SlotView:
     layer: "SlotLayer"
     index: torch.Tensor  # [B, H_kv, N] flat slot ids
     pos: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty
+    all_live: bool = False  # every slot holds a token (`read(trim=True)` of a packed layer)
 
     # Gathered on first use: eviction reads positions and statistics, attention reads K and V.
     @functools.cached_property
@@ -76,6 +77,7 @@ class SlotLayer:
         # hole and the layer is packed again, so decode eviction never scans for free slots either.
         self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
+        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot index, its first slots `read` gave)
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
 
     # layout-specific -------------------------------------------------------
@@ -99,14 +101,43 @@ class SlotLayer:
         head_tokens [B, H_kv] int32 table positions to scan); page p is slots [p * S, (p + 1) * S)."""
         raise NotImplementedError
 
+    def _prefix_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor | None:
+        """rows of each head's first `n` slots in fill order, [B, H_kv, n, *rows.shape[1:]], as a view of
+        `rows` where the layout allows one (else None: gathered)."""
+        return None
+
     # shared ------------------------------------------------------------------
-    def read(self) -> SlotView:
+    def read(self, trim: bool = False) -> SlotView:
+        """Each (sequence, KV head)'s slots in fill order. With `trim`, while every head holds the same n
+        tokens in its first n slots (packed: a full cache, or decoding after a compression), only those n:
+        a view with no empty slot to mask, read in place where the layout allows."""
         index = self.slot_index()
-        return SlotView(self, index, self.gather(self.pos, index))
+        width = self._packed_width() if trim else None
+        if width is not None:
+            if self._prefix is None or self._prefix[0] is not index or self._prefix[1].shape[-1] != width:
+                self._prefix = (index, index[..., :width])
+            index = self._prefix[1]
+        return SlotView(self, index, self.gather(self.pos, index), all_live=width is not None)
+
+    def _packed_width(self) -> int | None:
+        """n when the layer is packed and every head holds n > 0 tokens, else None."""
+        if self.packed is None:
+            return None
+        fewest, most = torch.aminmax(self.packed)
+        return int(most) if int(fewest) == int(most) > 0 else None
+
+    def _is_prefix(self, index: torch.Tensor) -> bool:
+        """Whether `index` is the first slots `read` handed out, and the fill order is still the one they came from."""
+        return self._prefix is not None and index is self._prefix[1] and self._prefix[0] is self.slot_index()
 
     def gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """rows[index] for a per-slot array (k, v, pos, stats) and this layer's `slot_index()`:
-        [*index.shape, *rows.shape[1:]]. May be a view of `rows`: read it before the next write."""
+        """rows[index] for a per-slot array (k, v, pos, stats) and this layer's `slot_index()` (or the part
+        of it `read` handed out): [*index.shape, *rows.shape[1:]]. May be a view of `rows`: read it before
+        the next write."""
+        if self._is_prefix(index):
+            view = self._prefix_rows(rows, index.shape[-1])
+            if view is not None:
+                return view
         return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
 
     def key_norms(self) -> torch.Tensor:
@@ -215,19 +246,27 @@ class SlotLayer:
 
     def evict(self, index: torch.Tensor, keep: torch.Tensor) -> None:
         """Empty every live slot of the view where `keep` is False."""
-        dropped = ~keep & (self.gather(self.pos, index) >= 0)
+        prefix = self._is_prefix(index)  # every slot of the view is live
+        dropped = ~keep if prefix else ~keep & (self.gather(self.pos, index) >= 0)
         drop = index[dropped]
         self.pos.index_fill_(0, drop, -1)
         self.stats.index_fill_(0, drop, 0.0)
         hole = None
-        if self.packed is not None and index is self.slot_index():
+        fill_order = self.slot_index()
+        if self.packed is not None and (prefix or index is fill_order):
             lost = dropped.sum(-1)  # [B, H]
             if bool((lost <= 1).all()):
                 hole = (torch.where(lost > 0, dropped.to(torch.int8).argmax(-1), self.packed), self.packed)
         self.packed, self.single_hole = None, None  # holes, until the next compaction or decode append
-        self._release_empty(drop)
-        if hole is not None and self.slot_index() is index:  # no page returned: fill order unchanged
+        if not (prefix and hole is not None and self._keeps_storage_losing_one(index.shape[-1])):
+            self._release_empty(drop)
+        if hole is not None and self.slot_index() is fill_order:  # no page returned: fill order unchanged
             self.single_hole = hole
+
+    def _keeps_storage_losing_one(self, n: int) -> bool:
+        """Whether heads that hold their first n slots (fill order) still need all their storage after
+        each loses at most one token."""
+        return True
 
     def compact(self) -> None:
         """Pack each head's live tokens, in fill order, into its first slots (a paged head: one run of pages
@@ -360,10 +399,22 @@ class PagedLayer(SlotLayer):
         if index is not self._index or self._runs is None:
             return self.gather(rows, index)
         # A head's padding reads whatever slots follow its run: finite, masked (positions come from `index`).
+        return self._run_rows(rows, index.shape[-1])
+
+    def _prefix_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor | None:
+        return None if self._runs is None else self._run_rows(rows, n)  # within each head's own run
+
+    def _keeps_storage_losing_one(self, n: int) -> bool:
+        # Every page of the first n slots holds block_size of them but the last, which holds one only when n % S == 1.
+        return self.block_size > 1 and n % self.block_size != 1
+
+    def _run_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """[B, H, n, *rows.shape[1:]]: the n slots from each head's first, a strided view (tables are runs)."""
         first, step = self._runs
-        B, H, N = index.shape
-        D = rows.shape[1]
-        return rows.as_strided((B, H, N, D), (H * step * D, step * D, D, 1), rows.storage_offset() + first * D)
+        row = rows.stride(0)
+        return rows.as_strided((self.batch, self.kv_heads, n, *rows.shape[1:]),
+                               (self.kv_heads * step * row, step * row, row, *rows.stride()[1:]),
+                               rows.storage_offset() + first * row)
 
     def _reserve(self, free_needed: torch.Tensor) -> None:
         pages_needed = (free_needed + self.block_size - 1) // self.block_size
@@ -438,6 +489,9 @@ class DenseLayer(SlotLayer):
         if index is self._index:  # each head's slots are one run of the buffer: a view, no copy
             return rows[:self.num_real_slots].view(*index.shape, *rows.shape[1:])
         return super().gather(rows, index)
+
+    def _prefix_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        return rows[:self.num_real_slots].view(*self._index.shape, *rows.shape[1:])[:, :, :n]
 
     def _reserve(self, free_needed: torch.Tensor) -> None:
         if bool((free_needed > 0).any()):
