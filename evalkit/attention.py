@@ -74,7 +74,8 @@ class CellPlans:
 def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0):
     """Attention of new queries over kept slots, in torch; the CPU path and the kernels' reference.
 
-    q: [B, H_q, T, D], q_pos/q_valid: [B, T]; k, v: [B, H_kv, N, D], k_pos: [B, H_kv, N] (-1 = empty).
+    q: [B, H_q, T, D], q_pos/q_valid: [B, T]; k, v: [B, H_kv, N, D], k_pos: [B, H_kv, N] (-1 = empty), or
+    None where every query sees every slot (one new token over a packed cache: `SlotView.all_live`).
     Returns out: [B, T, H_q, D] and, when `collect` is set, stats: [B, H_kv, N] float32 = each slot's
     probability summed over the valid queries ("attention") or over the last `window` valid queries of
     each row ("window"), averaged over the G = H_q / H_kv query heads.
@@ -90,20 +91,15 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         _, stats = attention_reference(q[:, :, first:], q_pos[:, first:], counted[:, first:], k, v, k_pos,
                                        scaling, sliding_window, "attention")
         return out, stats
-    if collect is None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
+    if collect is None and k_pos is not None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), None
     if collect is None and T == 1:
-        # Decoding: a KV head's G query heads are the rows of one attention, so K and V are never
-        # repeated and one mask row serves them all.
-        allowed = _visible(q_pos[:, None, :], k_pos, sliding_window)  # [B, H_kv, N]
-        if bool(allowed.all()):  # no hole, no padding (a full cache): no mask, the same bits, a faster kernel
-            mask = None
-        else:
-            allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
-            mask = allowed[:, :, None, :]
-        out = F.scaled_dot_product_attention(q.view(B, H_kv, G, D), k, v, attn_mask=mask, scale=scaling)
-        return out.view(B, 1, H_q, D), None
+        allowed = None if k_pos is None else _visible(q_pos[:, None, :], k_pos, sliding_window)  # [B, H_kv, N]
+        if allowed is None or bool(allowed.all()):  # no hole, no padding: no mask, the same bits, a faster kernel
+            return decode_attention(q, k, v, scaling), None
+        allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
+        return decode_attention(q, k, v, scaling, allowed[:, :, None, :]), None
     q = q.view(B, H_kv, G, T, D)
     out = torch.empty(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
     stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None
@@ -111,13 +107,14 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     all_valid = bool(q_valid.all())  # then every query sees at least itself: it was appended first
     for start in range(0, T, block):
         stop = min(T, start + block)
-        # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, N]
-        allowed = _visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :], sliding_window)
-        if not all_valid:  # a padding query may see no slot; let it see all rather than produce NaN
-            allowed |= ~allowed.any(-1, keepdim=True)
+        allowed = None  # every slot visible
+        if k_pos is not None:  # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, N]
+            allowed = _visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :], sliding_window)
+            if not all_valid:  # a padding query may see no slot; let it see all rather than produce NaN
+                allowed |= ~allowed.any(-1, keepdim=True)
         q_block = q[:, :, :, start:stop]  # [B, H_kv, G, t, D]
         if stats is None:
-            mask = allowed.expand(B, H_kv, G, stop - start, N).reshape(B, H_q, stop - start, N)
+            mask = None if allowed is None else allowed.expand(B, H_kv, G, stop - start, N).reshape(B, H_q, stop - start, N)
             o = F.scaled_dot_product_attention(q_block.reshape(B, H_q, stop - start, D), k, v, attn_mask=mask,
                                                scale=scaling, enable_gqa=True)
             out[:, :, :, start:stop] = o.view(B, H_kv, G, stop - start, D)
@@ -125,13 +122,25 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         t = stop - start
         # Queries of a group stacked as rows: one matmul per KV head, K and V never repeated.
         scores = torch.matmul(q_block.reshape(B, H_kv, G * t, D), k.transpose(-1, -2)).view(B, H_kv, G, t, N)
-        scores = scores.mul_(scaling).masked_fill_(~allowed, float("-inf"))  # in place: no second score block
+        scores = scores.mul_(scaling)  # in place: no second score block
+        if allowed is not None:
+            scores.masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
         if not all_valid:
             probs = probs * q_valid[:, None, None, start:stop, None]
         stats += probs.float().sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
+
+
+def decode_attention(q, k, v, scaling, mask=None):
+    """One new token's attention: q [B, H_q, 1, D] over k, v [B, H_kv, N, D]; out [B, 1, H_q, D].
+    A KV head's G query heads are the rows of one attention, so K and V are never repeated and one
+    mask row [B, H_kv, 1, N] (bool, None: every slot) serves them all."""
+    B, H_q, _, D = q.shape
+    H_kv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, D), k, v, attn_mask=mask, scale=scaling)
+    return out.view(B, 1, H_q, D)
 
 
 def _visible(qp, kp, sliding_window):
@@ -296,7 +305,8 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
         return _kernel_attention(layer, query, key, value, plan, scaling, sliding_window), None
     layer.append(key, value, plan.positions, plan.valid)
     view = layer.read(trim=True)
-    visible = view.pos
+    # One new token over a packed cache sees every slot: each holds an older token (no window to fall out of).
+    visible = None if view.all_live and query.shape[2] == 1 and not sliding_window else view.pos
     if plan.attend_filter is not None:
         read = plan.attend_filter(module.layer_idx, query[:, :, -1], view.k, view.pos)
         visible = view.pos.masked_fill(~read, -1)

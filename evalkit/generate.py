@@ -170,10 +170,12 @@ def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[t
     if over:
         layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
         width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
-        padded = [F.pad(pos, (0, width - pos.shape[-1]), value=-1) for pos in positions]
-        keep = policy.select(torch.cat([F.pad(x, (0, width - x.shape[-1])) for x in scores]).cpu(),
-                             torch.cat(padded).cpu(), state.seen.repeat(len(over)), budgets[layer_ids].reshape(-1),
-                             state.settings.block_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
+        padded = [pos if pos.shape[-1] == width else F.pad(pos, (0, width - pos.shape[-1]), value=-1)
+                  for pos in positions]
+        scores = [x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in scores]
+        keep = policy.select(torch.cat(scores).cpu(), torch.cat(padded).cpu(), state.seen.repeat(len(over)),
+                             budgets[layer_ids].reshape(-1), state.settings.block_size,
+                             recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
         for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
             chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))
     return chosen

@@ -78,6 +78,7 @@ class SlotLayer:
         self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
         self._prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot index, its first slots `read` gave)
+        self._packed_seen: tuple[torch.Tensor, int | None] | None = None  # (`packed`, its width) last worked out
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
 
     # layout-specific -------------------------------------------------------
@@ -123,8 +124,10 @@ class SlotLayer:
         """n when the layer is packed and every head holds n > 0 tokens, else None."""
         if self.packed is None:
             return None
-        fewest, most = torch.aminmax(self.packed)
-        return int(most) if int(fewest) == int(most) > 0 else None
+        if self._packed_seen is None or self._packed_seen[0] is not self.packed:  # packed changes by replacement
+            fewest, most = torch.aminmax(self.packed)
+            self._packed_seen = (self.packed, int(most) if int(fewest) == int(most) > 0 else None)
+        return self._packed_seen[1]
 
     def _is_prefix(self, index: torch.Tensor) -> bool:
         """Whether `index` is the first slots `read` handed out, and the fill order is still the one they came from."""
