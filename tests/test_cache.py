@@ -248,6 +248,53 @@ def test_a_full_cache_keeps_its_k_and_v_views_through_decoding():
 
 # --- DenseLayer, exact state -------------------------------------------------------------------
 
+def check_trimmed_read(layer) -> None:
+    """`read(trim=True)` is `read()` cut to every head's first n slots when the layer is packed with n tokens
+    in each head (then every slot it shows is live), else `read()` itself."""
+    full, trimmed = layer.read(), layer.read(trim=True)
+    counts = (full.pos >= 0).sum(-1)
+    if not (layer.packed is not None and bool((counts == counts.max()).all()) and int(counts.max()) > 0):
+        assert not trimmed.all_live and torch.equal(trimmed.index, full.index)
+        return
+    n = int(counts.max())
+    assert trimmed.all_live and bool((trimmed.pos >= 0).all())
+    assert torch.equal(trimmed.index, full.index[..., :n]) and torch.equal(trimmed.pos, full.pos[..., :n])
+    for name in ("k", "v", "stats"):
+        assert torch.equal(getattr(trimmed, name), getattr(full, name)[:, :, :n]), name
+
+
+def test_a_packed_layer_reads_only_its_live_slots_in_place_and_evicts_through_that_view():
+    """Decoding over a packed cache (every head holding the same n tokens in its first n slots) reads those
+    n slots as views of the storage: no empty slot, so attention needs no positions and no mask; evicting
+    one token a head through that view leaves the hole the next decode token fills, as through `read()`."""
+    from evalkit.attention import attention_reference
+
+    for layer in (paged(1, 3, pages=30, block=4), dense(1, 3, capacity=40)):
+        append(layer, [list(range(30))])
+        evict_positions(layer, [[list(range(0, 30, 3)), list(range(1, 30, 2))[:10], list(range(10, 20))]])
+        layer.compact()  # 20 tokens a head, packed
+        view = layer.read(trim=True)
+        assert view.all_live and view.index.shape[-1] == 20 and not layer.read().all_live
+        assert view.k.data_ptr() == layer.k.data_ptr() and view.pos._base is layer.pos  # views, not copies
+        check_trimmed_read(layer)
+        q = torch.randn(1, 6, 1, D, generator=torch.Generator().manual_seed(0))
+        q_pos, valid = torch.tensor([[30]]), torch.ones(1, 1, dtype=torch.bool)
+        full = layer.read()
+        for collect in (None, "attention"):  # without positions, as with them (and their mask) over every slot
+            out, stats = attention_reference(q, q_pos, valid, view.k, view.v, None, 0.3, None, collect)
+            masked, masked_stats = attention_reference(q, q_pos, valid, full.k, full.v, full.pos, 0.3, None, collect)
+            assert torch.allclose(out, masked, atol=1e-6)
+            assert collect is None or torch.allclose(stats, masked_stats[..., :20], atol=1e-6)
+        keep = torch.ones(1, 3, 20, dtype=torch.bool)
+        keep[0, 0, 4] = keep[0, 2, 19] = False  # heads 0 and 2 lose one token, head 1 none
+        layer.evict(view.index, keep)
+        hole, end = layer.single_hole
+        assert hole.tolist() == [[4, 20, 19]] and end.tolist() == [[20, 20, 20]]
+        append(layer, [[30]], tag=30)
+        assert layer.live_counts().tolist() == [[20, 21, 20]] and not layer.read(trim=True).all_live  # ragged
+        check_trimmed_read(layer)
+
+
 def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathered_copy():
     """A head whose pages are consecutive ids is read as a strided view of the storage, no copy (decode's
     K/V read); its padding slots hold other slots' rows, which attention masks: the same output, bit for bit."""
@@ -605,6 +652,7 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
                 hole, end = layer.single_hole
                 slot = torch.arange(live.shape[-1])
                 assert torch.equal(live, (slot < end[..., None]) & (slot != hole[..., None])), (live, hole, end)
+            check_trimmed_read(layer)
         check_tokens(dl, data)
         assert dl.bytes_held().tolist() == [H * capacity * TOKEN_BYTES] * B
         assert torch.equal(pl.live_counts(), dl.live_counts())
