@@ -91,7 +91,7 @@ def _free_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference mode: what it writes into the cells' caches stays usable outside it
 def forward_cells(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:
     """One forward feeding cell i (`states[i]`) its rows `tokens[i]`, one token each: each cell's
     last-token logits [B, V] as its own `generate.forward` gives them, and the seconds each spent in its
