@@ -156,10 +156,9 @@ def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[t
     fewest_kept = budgets.amin(1).tolist()  # [L]
     for layer_idx, layer in enumerate(layers):
         view = layer.read(trim=True)
-        if view.all_live:  # every head holds the view's width
-            if view.index.shape[-1] <= fewest_kept[layer_idx]:
-                continue
-        elif bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all()):
+        within = view.index.shape[-1] <= fewest_kept[layer_idx] if view.all_live else \
+            bool(((view.pos >= 0).sum(-1).cpu() <= budgets[layer_idx][:, None]).all())  # all_live: each head holds N
+        if within:
             continue
         keys = view.k if policy.reads_keys else None
         key_norms = view.key_norms if policy.reads_key_norms else None

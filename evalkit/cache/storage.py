@@ -56,7 +56,7 @@ class SlotView:
 
 
 def key_norms_of(k: torch.Tensor) -> torch.Tensor:
-    """[...] float64 L2 norms of keys [..., D]: float64, since float32 would order near-equal norms by rounding noise."""
+    """[...] float64 L2 norms of keys [..., D] (float32 would order near-equal norms by rounding noise)."""
     return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
 
 
@@ -77,8 +77,8 @@ class SlotLayer:
         # hole and the layer is packed again, so decode eviction never scans for free slots either.
         self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
         self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
-        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # (slot index, its first slots `read` gave)
-        self._packed_seen: tuple[torch.Tensor, int | None] | None = None  # (`packed`, its width) last worked out
+        # (slot index, `packed`, each head's first n slots of that index or None): `read(trim=True)`'s last answer
+        self._trimmed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
 
     # layout-specific -------------------------------------------------------
@@ -90,8 +90,9 @@ class SlotLayer:
         """Make sure head (b, h) has `free_needed[b, h]` empty slots."""
         raise NotImplementedError
 
-    def _release_empty(self, emptied: torch.Tensor | None = None) -> None:
-        """Return storage that holds no live token (only storage holding a slot of `emptied`, when given)."""
+    def _release_empty(self, emptied: torch.Tensor | None = None, one_lost_of: int | None = None) -> None:
+        """Return storage that holds no live token (only storage holding a slot of `emptied`, when given;
+        with `one_lost_of` = n, each head held its first n slots and lost at most one of them)."""
 
     def held_slots(self) -> torch.Tensor:
         """[B] slots held (allocated) per sequence."""
@@ -113,25 +114,18 @@ class SlotLayer:
         tokens in its first n slots (packed: a full cache, or decoding after a compression), only those n:
         a view with no empty slot to mask, read in place where the layout allows."""
         index = self.slot_index()
-        width = self._packed_width() if trim else None
-        if width is not None:
-            if self._prefix is None or self._prefix[0] is not index or self._prefix[1].shape[-1] != width:
-                self._prefix = (index, index[..., :width])
-            index = self._prefix[1]
-        return SlotView(self, index, self.gather(self.pos, index), all_live=width is not None)
-
-    def _packed_width(self) -> int | None:
-        """n when the layer is packed and every head holds n > 0 tokens, else None."""
-        if self.packed is None:
-            return None
-        if self._packed_seen is None or self._packed_seen[0] is not self.packed:  # packed changes by replacement
-            fewest, most = torch.aminmax(self.packed)
-            self._packed_seen = (self.packed, int(most) if int(fewest) == int(most) > 0 else None)
-        return self._packed_seen[1]
+        if trim and self.packed is not None:
+            cached = self._trimmed
+            if cached is None or cached[0] is not index or cached[1] is not self.packed:  # `packed` is only replaced
+                fewest, most = (int(count) for count in torch.aminmax(self.packed))
+                self._trimmed = cached = (index, self.packed, index[..., :most] if fewest == most > 0 else None)
+            if cached[2] is not None:
+                return SlotView(self, cached[2], self.gather(self.pos, cached[2]), all_live=True)
+        return SlotView(self, index, self.gather(self.pos, index))
 
     def _is_prefix(self, index: torch.Tensor) -> bool:
         """Whether `index` is the first slots `read` handed out, and the fill order is still the one they came from."""
-        return self._prefix is not None and index is self._prefix[1] and self._prefix[0] is self.slot_index()
+        return self._trimmed is not None and index is self._trimmed[2] and self._trimmed[0] is self.slot_index()
 
     def gather(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """rows[index] for a per-slot array (k, v, pos, stats) and this layer's `slot_index()` (or the part
@@ -261,15 +255,9 @@ class SlotLayer:
             if bool((lost <= 1).all()):
                 hole = (torch.where(lost > 0, dropped.to(torch.int8).argmax(-1), self.packed), self.packed)
         self.packed, self.single_hole = None, None  # holes, until the next compaction or decode append
-        if not (prefix and hole is not None and self._keeps_storage_losing_one(index.shape[-1])):
-            self._release_empty(drop)
+        self._release_empty(drop, index.shape[-1] if prefix and hole is not None else None)
         if hole is not None and self.slot_index() is fill_order:  # no page returned: fill order unchanged
             self.single_hole = hole
-
-    def _keeps_storage_losing_one(self, n: int) -> bool:
-        """Whether heads that hold their first n slots (fill order) still need all their storage after
-        each loses at most one token."""
-        return True
 
     def compact(self) -> None:
         """Pack each head's live tokens, in fill order, into its first slots (a paged head: one run of pages
@@ -407,10 +395,6 @@ class PagedLayer(SlotLayer):
     def _prefix_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor | None:
         return None if self._runs is None else self._run_rows(rows, n)  # within each head's own run
 
-    def _keeps_storage_losing_one(self, n: int) -> bool:
-        # Every page of the first n slots holds block_size of them but the last, which holds one only when n % S == 1.
-        return self.block_size > 1 and n % self.block_size != 1
-
     def _run_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         """[B, H, n, *rows.shape[1:]]: the n slots from each head's first, a strided view (tables are runs)."""
         first, step = self._runs
@@ -440,8 +424,10 @@ class PagedLayer(SlotLayer):
         self.tables = [runs[b * self.kv_heads:(b + 1) * self.kv_heads] for b in range(self.batch)]
         self._index = None
 
-    def _release_empty(self, emptied: torch.Tensor | None = None) -> None:
+    def _release_empty(self, emptied: torch.Tensor | None = None, one_lost_of: int | None = None) -> None:
         S = self.block_size
+        if one_lost_of is not None and S > 1 and one_lost_of % S != 1:
+            return  # every page of those n slots holds two or more of them (the last n % S, or S): none empties
         if emptied is not None and bool((self.pos.view(-1, S)[emptied // S] >= 0).any(1).all()):
             return  # every page that lost a token still holds one
         page_live = (self.pos.view(-1, S) >= 0).any(1)
