@@ -295,6 +295,49 @@ def test_a_packed_layer_reads_only_its_live_slots_in_place_and_evicts_through_th
         check_trimmed_read(layer)
 
 
+def test_a_packed_layer_takes_new_tokens_through_a_view_exactly_where_the_scatter_puts_them(monkeypatch):
+    """Appending several tokens to every head of a packed layer whose heads hold the same n (a prompt into
+    an empty layer; a question after a compression) writes them through a view of the storage, from the
+    forward's strided K/V, with no gathered copy: the storage then equals, bit for bit, what the scatter
+    by slot ids writes (k, v, positions, statistics, kept key norms), on both layouts."""
+    from evalkit.cache import storage
+
+    through_view_writes = []
+    write_after_packed = storage.SlotLayer._write_after_packed
+
+    def counted(self, k, v, pos):
+        through_view_writes.append(write_after_packed(self, k, v, pos))
+        return through_view_writes[-1]
+
+    def build(through_view: bool):
+        layers = [paged(2, 3, pages=40, block=4), dense(2, 3, capacity=24)]
+        k_forward = torch.randn(2, 4, 3, D, generator=torch.Generator().manual_seed(1)).transpose(1, 2)  # [B, H, T, D]
+        views = []
+        for layer in layers:
+            layer.add_stats(layer.slot_index(), torch.ones(layer.slot_index().shape))  # stale statistics to clear
+            with monkeypatch.context() as patch:
+                patch.setattr(storage.SlotLayer, "_write_after_packed",
+                              counted if through_view else lambda self, k, v, pos: False)
+                append(layer, [list(range(12)), list(range(100, 112))])  # the prompt, into an empty layer
+                layer.key_norms()  # kept from here on, by every write
+                evict_positions(layer, [[[0, 5], [1, 2], [3, 11]], [[100, 101], [104, 111], [102, 110]]])
+                layer.compact()  # 10 tokens a head, packed
+                packed_before = layer.packed.clone()
+                layer.append(k_forward, -k_forward, torch.tensor([[12, 13, 14, 15], [112, 113, 114, 115]]),
+                             torch.ones(2, 4, dtype=torch.bool))  # the question: 4 tokens, a strided view
+            views.append((packed_before.tolist(), layer.packed.tolist()))
+        return layers, views
+
+    scattered, scattered_counts = build(through_view=False)
+    viewed, viewed_counts = build(through_view=True)
+    assert viewed_counts == scattered_counts == [([[10] * 3] * 2, [[14] * 3] * 2)] * 2
+    assert through_view_writes == [True, True] * 2  # prompt and question, both layouts: through the view
+    for by_view, by_scatter in zip(viewed, scattered):
+        for name in ("k", "v", "pos", "stats", "_key_norms"):
+            assert torch.equal(getattr(by_view, name), getattr(by_scatter, name)), (type(by_view).__name__, name)
+        check_trimmed_read(by_view)
+
+
 def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathered_copy():
     """A head whose pages are consecutive ids is read as a strided view of the storage, no copy (decode's
     K/V read); its padding slots hold other slots' rows, which attention masks: the same output, bit for bit."""

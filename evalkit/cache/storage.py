@@ -190,6 +190,9 @@ class SlotLayer:
         lowest_free = index.gather(2, order)  # [B, H, m]
         if bool(valid.all()):  # no padding (decoding; equal-length rows): token i takes free slot i
             slots = lowest_free
+            if self._write_after_packed(k, v, pos):
+                self.packed = self.packed + T
+                return slots
             dest = lowest_free.reshape(-1)
             k, v = k.reshape(-1, D), v.reshape(-1, D)
             pos = pos[:, None, :].expand(B, H, T).reshape(-1)
@@ -215,6 +218,24 @@ class SlotLayer:
             self.stats.index_copy_(0, slots, stats)
         if self._key_norms is not None:
             self._key_norms.index_copy_(0, slots, key_norms_of(k))
+
+    def _write_after_packed(self, k, v, pos) -> bool:
+        """While every head holds the same n tokens in its first n slots, store k, v [B, H, T, D] (positions
+        [B, T]) as fill positions n .. n + T - 1 through a view of the storage: a prompt's K/V (a strided view
+        of the forward's) copied once, not gathered first. False where there is no such view."""
+        if self.packed is None:
+            return False
+        fewest, most = (int(count) for count in torch.aminmax(self.packed))
+        end = most + k.shape[2]
+        if fewest != most or self._prefix_rows(self.pos, end) is None:
+            return False
+        self._prefix_rows(self.k, end)[:, :, most:].copy_(k)
+        self._prefix_rows(self.v, end)[:, :, most:].copy_(v)
+        self._prefix_rows(self.pos, end)[:, :, most:].copy_(pos[:, None, :])
+        self._prefix_rows(self.stats, end)[:, :, most:].zero_()
+        if self._key_norms is not None:
+            self._prefix_rows(self._key_norms, end)[:, :, most:].copy_(key_norms_of(k))
+        return True
 
     def _next_free(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Without a scan, when known: each head's lowest free slot (fill order) and the packed count once
