@@ -141,6 +141,11 @@ def compress(state: LoopState, budgets: torch.Tensor) -> None:
         state.observe("compressed", state.cache)
 
 
+def _padded_to(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
+    """x [..., n] widened to [..., width] with `fill`; x itself when already that wide (no copy)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]), value=fill)
+
+
 def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per layer of `layers` (a cache's, or the same tokens stored elsewhere): (slot index, keep) [B, H_kv, N]
     each, the slots the policy keeps at `budgets[l, b]` tokens per head, or None when it holds no more.
@@ -169,11 +174,9 @@ def select_kept(state: LoopState, layers, budgets: torch.Tensor) -> list[tuple[t
     if over:
         layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
         width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
-        padded = [pos if pos.shape[-1] == width else F.pad(pos, (0, width - pos.shape[-1]), value=-1)
-                  for pos in positions]
-        scores = [x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1])) for x in scores]
-        keep = policy.select(torch.cat(scores).cpu(), torch.cat(padded).cpu(), state.seen.repeat(len(over)),
-                             budgets[layer_ids].reshape(-1), state.settings.block_size,
+        keep = policy.select(torch.cat([_padded_to(x, width) for x in scores]).cpu(),
+                             torch.cat([_padded_to(pos, width, -1) for pos in positions]).cpu(),
+                             state.seen.repeat(len(over)), budgets[layer_ids].reshape(-1), state.settings.block_size,
                              recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
         for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
             chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))

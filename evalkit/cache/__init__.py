@@ -7,7 +7,8 @@ import math
 import torch
 
 from evalkit.cache.pool import BlockPool, PoolExhausted
-from evalkit.cache.storage import DenseLayer, PagedLayer, SlotLayer, SlotView
+from evalkit.cache.layouts import DenseLayer, PagedLayer
+from evalkit.cache.storage import SlotLayer, SlotView
 
 LAYOUTS = ("paged", "dense")
 
