@@ -27,14 +27,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate
-from evalkit.teacher_forcing import score_rolling
-from evalkit.joint_decode import generate_cells
+from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_cells, score_rolling,
+                          share_prefill, statistic_key)
 from evalkit.models import load_model, max_positions
 from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
 from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
-from evalkit.shared_prefill import SharedPrefill, share_prefill, statistic_key
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics

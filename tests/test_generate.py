@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import POLICIES, make_policy
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
 
 BUDGET, BLOCK, PROMPT = 100, 16, 240
@@ -55,7 +55,7 @@ def test_every_policy_and_granularity_keeps_between_a_page_short_and_the_budget(
     # Recorded kept_tokens is the mean per (layer, KV head): what predictions.jsonl reports.
     assert gen.kept_tokens == pytest.approx(float(kept.mean()))
     assert BUDGET - (BLOCK - 1) <= gen.kept_tokens <= BUDGET, kept.tolist()
-    adaptive = policy.layer_budgets(torch.tensor([BUDGET]), torch.tensor([PROMPT]), 2).unique().numel() > 1 \
+    adaptive = policy.layer_caps(torch.tensor([BUDGET]), torch.tensor([PROMPT]), 2).unique().numel() > 1 \
         or type(policy).__name__ == "AdaSnapKV" and policy.granularity == "head"
     if not adaptive:  # uniform budgets: every single head within a page of the budget
         assert bool((kept <= BUDGET).all()) and bool((kept >= BUDGET - (BLOCK - 1)).all()), kept.tolist()

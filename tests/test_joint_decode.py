@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import evalkit.joint_decode as joint_decode
+import evalkit.loop.joint_decode as joint_decode
 from evalkit.attention import evalkit_attention
-from evalkit.generate import GenerationSettings, Request, forward, generate, start
-from evalkit.joint_decode import forward_cells, generate_cells
+from evalkit.loop import GenerationSettings, Request, generate, start
+from evalkit.loop.state import forward
+from evalkit.loop.joint_decode import forward_cells, generate_cells
 from evalkit.policies import make_policy
-from evalkit.shared_prefill import share_prefill, statistic_key
+from evalkit.loop.shared_prefill import share_prefill, statistic_key
 
 POLICIES = ["full", "h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
             "pyramidkv_head", "adakv_snapkv", "quest", "random"]

@@ -1,7 +1,7 @@
 """evalkit's generation loop held to the naive oracle (tests/oracle.py), after every step.
 
 For every registered policy x every granularity it accepts x budgets 0.1 / 0.3 / 0.6, a batch of
-mixed-length prompts goes through `evalkit.generate.generate` on a float64 tiny GQA model; each
+mixed-length prompts goes through `evalkit.loop.generate.generate` on a float64 tiny GQA model; each
 sequence then goes alone through the oracle. The kept positions of every (layer, KV head) must be
 equal after every prefill chunk, after prefill and after every decode step, and so must the tokens.
 
@@ -32,7 +32,7 @@ from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_bu
 import evalkit.attention
 import evalkit.policies.h2o
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy
 
 BUDGETS = (0.1, 0.3, 0.6)
@@ -322,7 +322,7 @@ def test_pyramid_layer_budgets_match_the_oracle_schedule():
     for layers in (2, 3, 4, 5, 7, 30):
         for n in (20, 41, 64, 100, 257):
             for k in range(1, n):
-                ours = policy.layer_budgets(torch.tensor([k]), torch.tensor([n]), layers)[:, 0].tolist()
+                ours = policy.layer_caps(torch.tensor([k]), torch.tensor([n]), layers)[:, 0].tolist()
                 theirs = pyramid_budgets(k, n, layers, 8, 20.0)
                 if ours != theirs:
                     mismatches.append(f"L={layers} n={n} k={k}: evalkit {ours}, oracle {theirs}")

@@ -13,8 +13,8 @@ import torch
 
 from conftest import tiny_config, tiny_model
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate
-from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES, POLICIES, ScoreInput, make_policy, select_keep
+from evalkit.loop import GenerationSettings, Request, generate
+from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES, POLICIES, ScoreInput, make_policy, keep_mask
 
 
 def score_input(attention=None, keys=None, positions=None, stat_end=None, layer=0, seed=0):
@@ -93,7 +93,7 @@ def test_pyramidkv_layer_budgets_by_hand():
     # pre-fix code (budget 50, 4 layers: [98, 66, 34, 2] -- the window inside, the total 200 only by luck).
     budgets = torch.tensor([50, 42, 50, 33, 32, 20])
     lengths = torch.tensor([200, 200, 60, 200, 200, 200])
-    got = make_policy("pyramidkv").layer_budgets(budgets, lengths, 4).T.tolist()
+    got = make_policy("pyramidkv").layer_caps(budgets, lengths, 4).T.tolist()
     # k 50, n 200: m = 18, lo = 18 // 20 = 0, hi = 36 <= n - w = 168; 36 - 36 l / 3 = [36, 24, 12, 0] + 32
     assert got[0] == [68, 56, 44, 32]
     # k 42: m = 10, lo 0, hi 20: [20, 13.33, 6.67, 0] floors [20, 13, 6, 0] = 39, one short of 40 -> the
@@ -117,7 +117,7 @@ def test_pyramidkv_layer_budgets_sum_to_the_uniform_total_with_the_window_on_top
     for n in (40, 100, 333, 2048, 4096):
         lengths = torch.full((7,), n)
         budget = torch.tensor([1, 20, 33, n // 10 + 1, n // 2, math.ceil(0.9 * n), n]).clamp(max=n)
-        got = policy.layer_budgets(budget, lengths, num_layers)  # [L, B]
+        got = policy.layer_caps(budget, lengths, num_layers)  # [L, B]
         assert got.shape == (num_layers, 7)
         for b in range(7):
             k, col = int(budget[b]), got[:, b].tolist()
@@ -131,7 +131,7 @@ def test_pyramidkv_layer_budgets_sum_to_the_uniform_total_with_the_window_on_top
 
 
 def test_pyramidkv_one_layer_is_uniform():
-    assert make_policy("pyramidkv").layer_budgets(torch.tensor([50]), torch.tensor([200]), 1).tolist() == [[50]]
+    assert make_policy("pyramidkv").layer_caps(torch.tensor([50]), torch.tensor([200]), 1).tolist() == [[50]]
 
 
 # --- TOVA --------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def test_adakv_at_token_and_page_is_snapkv():
     seen, budget, recent = torch.tensor([20, 20]), torch.tensor([8, 5]), torch.tensor([2, 0])
     for granularity in ("token", "page"):
         ada = make_policy("adakv_snapkv", granularity).select(scores, positions, seen, budget, 4, recent)
-        assert ada.tolist() == select_keep(scores, positions, seen, budget, granularity, 4, 0, recent).tolist()
+        assert ada.tolist() == keep_mask(scores, positions, seen, budget, granularity, 4, 0, recent).tolist()
 
 
 def test_check_budget_refuses_less_than_one_page_at_page_granularities():

@@ -1,4 +1,4 @@
-"""`select_keep`, `select_adaptive` and `resolve_budget`: hand-computed cases per granularity, then properties.
+"""`keep_mask`, `select_adaptive` and `tokens_for`: hand-computed cases per granularity, then properties.
 
 Shapes: scores / positions / keep are `[B, H_kv, N]` per slot, positions -1 = empty slot.
 Hand cases write the expected keep mask literally, with the arithmetic in a comment. The rules are
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES
-from evalkit.policies.base import resolve_budget
-from evalkit.policies.selection import select_adaptive, select_keep
+from evalkit.policies import tokens_for
+from evalkit.policies.selection import select_adaptive, keep_mask
 
 
 def t(rows, dtype=torch.float32):
@@ -47,7 +47,7 @@ SCORES_2H = t([[[1, 9, 3, 8, 2],
 
 
 def test_head_keeps_top_k_per_kv_head_and_heads_differ():
-    keep = select_keep(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), "head")
+    keep = keep_mask(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), "head")
     # head 0: top-2 of [1, 9, 3, 8, 2] -> 9 (pos 1), 8 (pos 3)
     # head 1: top-2 of [7, 1, 6, 2, 5] -> 7 (pos 0), 6 (pos 2)
     assert keep.tolist() == [[[False, True, False, True, False],
@@ -56,12 +56,12 @@ def test_head_keeps_top_k_per_kv_head_and_heads_differ():
 
 def test_head_ties_go_to_the_earlier_position():
     scores = t([[[2, 5, 5, 5, 1]]])
-    keep = select_keep(scores, ordered_positions(1, 1, 5), t([5], torch.long), t([2], torch.long), "head")
+    keep = keep_mask(scores, ordered_positions(1, 1, 5), t([5], torch.long), t([2], torch.long), "head")
     # three 5s at positions 1, 2, 3, budget 2 -> the two earliest: 1, 2
     assert keep.tolist() == [[[False, True, True, False, False]]]
     # same scores per position, slots stored in reverse: still positions 1 and 2
     positions = t([[[4, 3, 2, 1, 0]]], torch.long)
-    keep = select_keep(scores.flip(-1), positions, t([5], torch.long), t([2], torch.long), "head")
+    keep = keep_mask(scores.flip(-1), positions, t([5], torch.long), t([2], torch.long), "head")
     assert keep.tolist() == [[[False, False, True, True, False]]]
 
 
@@ -71,7 +71,7 @@ def test_head_protected_tokens_count_against_the_budget():
     pos, seen = ordered_positions(1, 2, 6), t([6], torch.long)
 
     def keep(budget):
-        return select_keep(scores, pos, seen, t([budget], torch.long), "head", sink_tokens=1,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "head", sink_tokens=1,
                            recent=t([2], torch.long)).tolist()
 
     # sink 1 -> position 0; recent 2 of seen 6 -> positions 5, 4. Keep order per head:
@@ -94,11 +94,11 @@ def test_head_protected_tokens_count_against_the_budget():
 def test_head_sinks_are_kept_in_ascending_order_before_the_recent_window():
     scores = t([[[5, 5, 5, 0, 0, 0, 0, 0]]])
     # sinks 3 -> positions 0, 1, 2; recent 2 of seen 8 -> 7, 6. Budget 2: sinks 0, 1 (ascending), nothing recent
-    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([2], torch.long), "head",
+    keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([2], torch.long), "head",
                        sink_tokens=3, recent=t([2], torch.long))
     assert keep.tolist() == [[[True, True, False, False, False, False, False, False]]]
     # budget 4: sinks 0, 1, 2, then the most recent 7
-    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), "head",
+    keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), "head",
                        sink_tokens=3, recent=t([2], torch.long))
     assert keep.tolist() == [[[True, True, True, False, False, False, False, True]]]
 
@@ -106,12 +106,12 @@ def test_head_sinks_are_kept_in_ascending_order_before_the_recent_window():
 # --- granularity "token" -----------------------------------------------------------------------
 
 def test_token_keeps_one_set_ranked_by_the_head_mean():
-    keep = select_keep(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([3], torch.long), "token")
+    keep = keep_mask(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([3], torch.long), "token")
     # mean over heads: [(1+7)/2, (9+1)/2, (3+6)/2, (8+2)/2, (2+5)/2] = [4, 5, 4.5, 5, 3.5]
     # top-3: 5 (pos 1), 5 (pos 3), 4.5 (pos 2) -> same positions for both heads
     assert keep.tolist() == [[[False, True, True, True, False],
                               [False, True, True, True, False]]]
-    keep = select_keep(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([1], torch.long), "token")
+    keep = keep_mask(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([1], torch.long), "token")
     # budget 1: the tie 5 (pos 1) vs 5 (pos 3) goes to the earlier position 1
     assert keep.tolist() == [[[False, True, False, False, False],
                               [False, True, False, False, False]]]
@@ -125,7 +125,7 @@ def test_token_mean_only_counts_heads_that_hold_the_token():
                  [4, 3, 1, 4]]])
     # means: pos 0 (4+4)/2 = 4, pos 1 = 3 (head 1 only; the 100 of an empty slot is ignored),
     #        pos 2 (4+1)/2 = 2.5, pos 3 (1+4)/2 = 2.5 -> top-2: pos 0, pos 1
-    keep = select_keep(scores, positions, t([4], torch.long), t([2], torch.long), "token")
+    keep = keep_mask(scores, positions, t([4], torch.long), t([2], torch.long), "token")
     assert keep.tolist() == [[[True, False, False, False],
                               [True, True, False, False]]]
 
@@ -136,11 +136,11 @@ def test_token_protected_tokens_count_against_the_budget():
     pos, seen = ordered_positions(1, 2, 6), t([6], torch.long)
     # means [0, 5, 5, 8, 0.5, 0]; protected: pos 0 (sink), pos 5 (recent 1)
     # budget 3 -> protected 0, 5 + best other: pos 3 (8)
-    keep = select_keep(scores, pos, seen, t([3], torch.long), "token", sink_tokens=1, recent=t([1], torch.long))
+    keep = keep_mask(scores, pos, seen, t([3], torch.long), "token", sink_tokens=1, recent=t([1], torch.long))
     assert keep.tolist() == [[[True, False, False, True, False, True],
                               [True, False, False, True, False, True]]]
     # recent 3 -> protected 0 (sink), then 5, 4, 3 (most recent first); budget 2: sink 0 and 5
-    keep = select_keep(scores, pos, seen, t([2], torch.long), "token", sink_tokens=1, recent=t([3], torch.long))
+    keep = keep_mask(scores, pos, seen, t([2], torch.long), "token", sink_tokens=1, recent=t([3], torch.long))
     assert keep.tolist() == [[[True, False, False, False, False, True],
                               [True, False, False, False, False, True]]]
 
@@ -151,12 +151,12 @@ def test_page_keeps_whole_pages_ranked_by_mean_score():
     scores = t([[[1, 1, 8, 6, 3, 3, 9, 0]]])
     # block 2 -> pages {0,1} {2,3} {4,5} {6,7} with means 1, 7, 3, 4.5; seen 8 is a multiple of 2: no page filling
     # greedy, budget 5: page 1 (2 tokens, room 3), page 3 (2, room 1), page 2 (2 > 1: skip), page 0 (skip)
-    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([5], torch.long), "page",
+    keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([5], torch.long), "page",
                        block_size=2)
     assert keep.tolist() == [[[False, False, True, True, False, False, True, True]]]
     # position 7 (score 0) is kept with its page; 4 and 5 (score 3) are not: no partial pages.
     # "head" with the same budget keeps the 5 best tokens instead:
-    keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([5], torch.long), "head")
+    keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([5], torch.long), "head")
     assert keep.tolist() == [[[False, False, True, True, True, True, True, False]]]
 
 
@@ -167,7 +167,7 @@ def test_page_greedy_skips_a_page_that_does_not_fit_and_takes_a_smaller_one_afte
     scores = t([[[5, 5, 9, 9, 2, 100, 1, 1]]])  # the empty slot's 100 is ignored
     # means 5, 9, 2, 1; seen 8 is a multiple of 2: no page being filled
     # budget 3: page 1 (2 tokens, room 1), page 0 (2 > 1: skip), page 2 (1 token fits, room 0), page 3 (skip)
-    keep = select_keep(scores, positions, t([8], torch.long), t([3], torch.long), granularity, block_size=2)
+    keep = keep_mask(scores, positions, t([8], torch.long), t([3], torch.long), granularity, block_size=2)
     assert keep.tolist() == [[[False, False, True, True, True, False, False, False]]]
 
 
@@ -177,16 +177,16 @@ def test_page_being_filled_is_protected(granularity):
     scores = t([[[5, 5, 9, 9, 1, 1, 2]]])
     # order: page 3 (protected, 1 token), then page 1 (9), page 0 (5), page 2 (1)
     # budget 3: page 3 (room 2), page 1 (room 0), the rest do not fit
-    keep = select_keep(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([3], torch.long), granularity,
+    keep = keep_mask(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([3], torch.long), granularity,
                        block_size=2)
     assert keep.tolist() == [[[False, False, True, True, False, False, True]]]
     # budget 2: page 3 (room 1), page 1 (2 > 1: skip), page 0 (skip), page 2 (skip): 1 token = k - (S - 1)
-    keep = select_keep(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([2], torch.long), granularity,
+    keep = keep_mask(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([2], torch.long), granularity,
                        block_size=2)
     assert keep.tolist() == [[[False, False, False, False, False, False, True]]]
     # seen 8 (page 3 = {6, 7} complete): nothing is being filled, page 3 ranks by its mean 2
     scores8 = t([[[5, 5, 9, 9, 1, 1, 2, 2]]])
-    keep = select_keep(scores8, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), granularity,
+    keep = keep_mask(scores8, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), granularity,
                        block_size=2)
     # budget 4: page 1 (9), page 0 (5)
     assert keep.tolist() == [[[True, True, True, True, False, False, False, False]]]
@@ -198,7 +198,7 @@ def test_page_is_shared_by_all_heads_with_the_mean_over_heads_and_tokens():
                  [0, 0, 5, 5, 4, 4]]])
     # page means over (head, token): page 0 (9+9+0+0)/4 = 4.5, page 1 (0+0+5+5)/4 = 2.5, page 2 = 4
     # budget 4: page 0 (room 2), page 2 (room 0) -> positions 0, 1, 4, 5 in both heads
-    keep = select_keep(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([4], torch.long), "page",
+    keep = keep_mask(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([4], torch.long), "page",
                        block_size=2)
     assert keep.tolist() == [[[True, True, False, False, True, True],
                               [True, True, False, False, True, True]]]
@@ -212,14 +212,14 @@ def test_page_counts_the_positions_held_by_any_head():
                  [1, 1, 0, 9, 2, 2]]])
     # means over (head, token) pairs: page 0 (1+1+1+1)/4 = 1, page 1 (9+9)/2 = 9, page 2 2
     # budget 3: page 1 (2 distinct positions, room 1), page 2 (2 > 1: skip), page 0 (skip)
-    keep = select_keep(scores, positions, t([6], torch.long), t([3], torch.long), "page", block_size=2)
+    keep = keep_mask(scores, positions, t([6], torch.long), t([3], torch.long), "page", block_size=2)
     assert keep.tolist() == [[[False, False, True, False, False, False],
                               [False, False, False, True, False, False]]]
 
 
 def test_page_ties_go_to_the_earlier_page():
     scores = t([[[3, 3, 1, 1, 3, 3]]])  # pages 0 and 2 tie at 3; budget 2 -> page 0
-    keep = select_keep(scores, ordered_positions(1, 1, 6), t([6], torch.long), t([2], torch.long), "page",
+    keep = keep_mask(scores, ordered_positions(1, 1, 6), t([6], torch.long), t([2], torch.long), "page",
                        block_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False]]]
 
@@ -229,7 +229,7 @@ def test_page_protected_pages_count_against_the_budget():
     pos, seen = ordered_positions(1, 1, 6), t([6], torch.long)
 
     def keep(budget):
-        return select_keep(scores, pos, seen, t([budget], torch.long), "page", block_size=2, sink_tokens=1,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "page", block_size=2, sink_tokens=1,
                            recent=t([1], torch.long)).tolist()
 
     # sink 1 protects page 0 (positions 0, 1); recent 1 protects page 2 (positions 4, 5)
@@ -247,7 +247,7 @@ def test_page_protected_pages_most_recent_first():
     pos, seen = ordered_positions(1, 1, 8), t([8], torch.long)
 
     def keep(budget):
-        return select_keep(scores, pos, seen, t([budget], torch.long), "page", block_size=2,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "page", block_size=2,
                            recent=t([3], torch.long)).tolist()
 
     # recent 3 of seen 8 -> positions 5, 6, 7: pages 3 ({6,7}) then 2 ({4,5}), most recent first; then 0, 1 (9)
@@ -263,11 +263,11 @@ def test_head_page_heads_keep_their_own_pages():
                  [0, 0, 8, 6, 0, 2]]])
     pos, seen, budget = ordered_positions(1, 2, 6), t([6], torch.long), t([2], torch.long)
     # block 2; head 0's page means 9, 0, 1 -> page 0; head 1's 0, 7, 1 -> page 1
-    keep = select_keep(scores, pos, seen, budget, "head_page", block_size=2)
+    keep = keep_mask(scores, pos, seen, budget, "head_page", block_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False],
                               [False, False, True, True, False, False]]]
     # "page" ranks the means over both heads, (9+9+0+0)/4 = 4.5, (0+0+8+6)/4 = 3.5, (1+1+0+2)/4 = 1: page 0 for both
-    keep = select_keep(scores, pos, seen, budget, "page", block_size=2)
+    keep = keep_mask(scores, pos, seen, budget, "page", block_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False],
                               [True, True, False, False, False, False]]]
 
@@ -282,7 +282,7 @@ def test_head_page_ranks_by_the_heads_own_mean_and_counts_its_own_tokens():
     #   budget 3: page 1 (1 token, room 2), page 0 (2, room 0), page 2 (skip) -> 0, 1, 2
     # head 1: page means 4, 1, 3 (2 tokens each)
     #   budget 3: page 0 (room 1), page 2 (2 > 1: skip), page 1 (skip) -> 0, 1
-    keep = select_keep(scores, positions, t([6], torch.long), t([3], torch.long), "head_page", block_size=2)
+    keep = keep_mask(scores, positions, t([6], torch.long), t([3], torch.long), "head_page", block_size=2)
     assert keep.tolist() == [[[True, True, True, False, False, False],
                               [True, True, False, False, False, False]]]
 
@@ -292,12 +292,12 @@ def test_head_page_being_filled_is_protected_per_head():
                  [0, 0, 8, 8, 9, 9, 0]]])
     # block 2, seen 7: page 3 = {6} is being filled; it goes first in every head whatever its score
     # budget 3: head 0 -> page 3 (room 2), page 0 (9, room 0); head 1 -> page 3, page 2 (9)
-    keep = select_keep(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head_page",
+    keep = keep_mask(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head_page",
                        block_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False, True],
                               [False, False, False, False, True, True, True]]]
     # "head" at the same budget keeps each head's best 3 tokens, position 6 (score 0) not among them
-    keep = select_keep(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head")
+    keep = keep_mask(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head")
     assert keep.tolist() == [[[True, True, True, False, False, False, False],
                               [False, False, True, False, True, True, False]]]
 
@@ -308,7 +308,7 @@ def test_head_page_budget_below_protected_keeps_the_sinks_then_the_most_recent()
     pos, seen = ordered_positions(1, 2, 8), t([8], torch.long)
 
     def keep(budget):
-        return select_keep(scores, pos, seen, t([budget], torch.long), "head_page", block_size=2, sink_tokens=1,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "head_page", block_size=2, sink_tokens=1,
                            recent=t([3], torch.long)).tolist()
 
     # sink 1 -> page 0; recent 3 of seen 8 -> positions 5, 6, 7 -> pages 3 then 2 (most recent first)
@@ -327,7 +327,7 @@ def test_page_budget_below_one_page_keeps_no_whole_page():
     # every page holds 2 tokens: a budget of 1 fits none (evalkit refuses such a budget: check_budget)
     scores = t([[[0, 9, 9, 9, 9, 9, 9, 0]]])
     for granularity in PAGE_GRANULARITIES:
-        keep = select_keep(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([1], torch.long), granularity,
+        keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([1], torch.long), granularity,
                            block_size=2, sink_tokens=1, recent=t([1], torch.long))
         assert not keep.any()
 
@@ -341,11 +341,11 @@ def test_budget_at_least_live_keeps_every_live_slot(granularity):
     scores = torch.randn(1, 2, 6, generator=torch.Generator().manual_seed(0))
     # 4 live per head, 6 distinct positions: "token"/"page" count positions shared by the heads
     for budget in (6, 7, 100):
-        keep = select_keep(scores, positions, t([6], torch.long), t([budget], torch.long), granularity,
+        keep = keep_mask(scores, positions, t([6], torch.long), t([budget], torch.long), granularity,
                            block_size=2)
         assert keep.tolist() == (positions >= 0).tolist()
     if granularity in ("head", "head_page"):  # per head, a budget of 4 = its live count is enough
-        keep = select_keep(scores, positions, t([6], torch.long), t([4], torch.long), granularity, block_size=2)
+        keep = keep_mask(scores, positions, t([6], torch.long), t([4], torch.long), granularity, block_size=2)
         assert keep.tolist() == (positions >= 0).tolist()
 
 
@@ -355,7 +355,7 @@ def test_a_budget_below_the_protected_tokens_keeps_the_sinks_then_the_most_recen
     pos, seen = ordered_positions(1, 1, 8), t([8], torch.long)
     # sink 1 -> position 0; recent 2 of seen 8 -> 7, 6
     for budget, expected in ((1, [0]), (2, [0, 7]), (3, [0, 6, 7]), (4, [0, 1, 6, 7])):
-        keep = select_keep(scores, pos, seen, t([budget], torch.long), granularity, sink_tokens=1,
+        keep = keep_mask(scores, pos, seen, t([budget], torch.long), granularity, sink_tokens=1,
                            recent=t([2], torch.long))
         assert pos[keep].tolist() == expected
 
@@ -366,16 +366,16 @@ def test_per_row_budgets_and_seen():
     positions = t([[[0, 1, 2, 3, 4]],
                    [[0, 1, 2, -1, -1]]], torch.long)
     seen = t([5, 3], torch.long)
-    keep = select_keep(scores, positions, seen, t([1, 2], torch.long), "head", recent=t([1, 1], torch.long))
+    keep = keep_mask(scores, positions, seen, t([1, 2], torch.long), "head", recent=t([1, 1], torch.long))
     # row 0: recent 1 of 5 -> pos 4 protected; budget 1 is used by it -> only pos 4
     # row 1: recent 1 of 3 -> pos 2 protected; budget 2 -> pos 2 + best other: pos 1 (5)
     assert keep.tolist() == [[[False, False, False, False, True]],
                              [[False, True, True, False, False]]]
-    keep = select_keep(scores, positions, seen, t([3, 1], torch.long), "token")
+    keep = keep_mask(scores, positions, seen, t([3, 1], torch.long), "token")
     # row 0: top-3 of [1,5,3,4,2] -> pos 1, 3, 2; row 1: top-1 of [1,5,3] -> pos 1
     assert keep.tolist() == [[[False, True, True, True, False]],
                              [[False, True, False, False, False]]]
-    keep = select_keep(scores, positions, seen, t([2, 2], torch.long), "page", block_size=2)
+    keep = keep_mask(scores, positions, seen, t([2, 2], torch.long), "page", block_size=2)
     # row 0 (seen 5, page 2 = {4} being filled): page 2 (room 1), page 1 {2,3} mean 3.5 (skip), page 0 (skip)
     # row 1 (seen 3, page 1 = {2} being filled): page 1 (room 1), page 0 {0,1} (skip)
     assert keep.tolist() == [[[False, False, False, False, True]],
@@ -407,9 +407,9 @@ def test_storage_order_does_not_change_the_kept_positions(granularity, seed):
     positions[0, 1, 3] = -1  # a hole left by an earlier eviction
     positions[1, 2, 7] = -1
     seen, budget, recent = t([12, 12], torch.long), t([5, 7], torch.long), t([2, 0], torch.long)
-    ordered = select_keep(scores, positions, seen, budget, granularity, block_size=4, sink_tokens=1, recent=recent)
+    ordered = keep_mask(scores, positions, seen, budget, granularity, block_size=4, sink_tokens=1, recent=recent)
     s, p = scramble(scores, positions, seed)
-    scrambled = select_keep(s, p, seen, budget, granularity, block_size=4, sink_tokens=1, recent=recent)
+    scrambled = keep_mask(s, p, seen, budget, granularity, block_size=4, sink_tokens=1, recent=recent)
     assert kept_positions(scrambled, p) == kept_positions(ordered, positions)
     assert not scrambled[p < 0].any()  # an empty slot is never kept, whatever its score
 
@@ -418,16 +418,16 @@ def test_storage_order_does_not_change_the_kept_positions(granularity, seed):
 def test_bf16_scores_select_like_float32(granularity):
     # A scorer working on bf16 keys returns bf16 scores; selection must accept them.
     scores = SCORES_2H.to(torch.bfloat16)
-    keep = select_keep(scores, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), granularity,
+    keep = keep_mask(scores, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), granularity,
                        block_size=1)
-    expected = select_keep(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long),
+    expected = keep_mask(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long),
                            granularity, block_size=1)
     assert keep.tolist() == expected.tolist()
 
 
 def test_unknown_granularity_is_an_error():
     with pytest.raises(ValueError, match="granularity"):
-        select_keep(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), "layer")
+        keep_mask(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), "layer")
 
 
 # --- select_adaptive (Ada-KV) ------------------------------------------------------------------
@@ -525,10 +525,10 @@ class Case:
         return torch.tensor(self.seen), torch.tensor(self.budget)
 
     def kept(self, granularity, storage_seed=None):
-        """[b][h] set of positions select_keep keeps."""
+        """[b][h] set of positions keep_mask keeps."""
         scores, positions = self.tensors(storage_seed)
         seen, budget = self.args()
-        keep = select_keep(scores, positions, seen, budget, granularity, self.block, self.sinks,
+        keep = keep_mask(scores, positions, seen, budget, granularity, self.block, self.sinks,
                            torch.tensor(self.recent))
         assert not keep[positions < 0].any()  # an empty slot is never kept, whatever its score
         return kept_positions(keep, positions)
@@ -807,41 +807,41 @@ def test_adaptive_keeps_the_layer_budget_and_every_heads_floor(case, alpha):
                 sorted((p for p in live if case.is_protected(b, p) and not case.is_sink(p)), reverse=True)
             assert set(protected[:k]) <= kept[b][h]  # its protected tokens, in the keep order, at most k
 
-# --- resolve_budget ----------------------------------------------------------------------------
+# --- tokens_for ----------------------------------------------------------------------------
 
 def test_resolve_budget_fraction_rounds_up_and_clamps():
     lengths = t([10, 7, 1, 3], torch.long)
     # 0.5 * [10, 7, 1, 3] = [5, 3.5, 0.5, 1.5] -> ceil [5, 4, 1, 2]
-    assert resolve_budget(0.5, lengths).tolist() == [5, 4, 1, 2]
+    assert tokens_for(0.5, lengths).tolist() == [5, 4, 1, 2]
     # 0.01 * 10 = 0.1 -> 1; 0.0 -> 0 -> clamped to at least 1
-    assert resolve_budget(0.01, lengths).tolist() == [1, 1, 1, 1]
-    assert resolve_budget(0.0, lengths).tolist() == [1, 1, 1, 1]
-    assert resolve_budget(0.25, t([8, 9], torch.long)).tolist() == [2, 3]  # 2.0 -> 2, 2.25 -> 3
+    assert tokens_for(0.01, lengths).tolist() == [1, 1, 1, 1]
+    assert tokens_for(0.0, lengths).tolist() == [1, 1, 1, 1]
+    assert tokens_for(0.25, t([8, 9], torch.long)).tolist() == [2, 3]  # 2.0 -> 2, 2.25 -> 3
 
 
 def test_resolve_budget_one_means_everything():
     lengths = t([10, 7, 1], torch.long)
-    assert resolve_budget(1.0, lengths).tolist() == [10, 7, 1]
-    assert resolve_budget(1, lengths).tolist() == [10, 7, 1]  # 1 is the fraction 1.0, not one token
+    assert tokens_for(1.0, lengths).tolist() == [10, 7, 1]
+    assert tokens_for(1, lengths).tolist() == [10, 7, 1]  # 1 is the fraction 1.0, not one token
 
 
 def test_resolve_budget_counts_above_one_are_tokens_clamped_to_the_length():
     lengths = t([10, 7, 1], torch.long)
-    assert resolve_budget(4, lengths).tolist() == [4, 4, 1]
-    assert resolve_budget(8.0, lengths).tolist() == [8, 7, 1]
-    assert resolve_budget(2, lengths).tolist() == [2, 2, 1]
+    assert tokens_for(4, lengths).tolist() == [4, 4, 1]
+    assert tokens_for(8.0, lengths).tolist() == [8, 7, 1]
+    assert tokens_for(2, lengths).tolist() == [2, 2, 1]
 
 
 @pytest.mark.parametrize("fraction,length,expected", [(0.07, 100, 7), (0.14, 100, 14), (0.28, 100, 28),
                                                       (0.3, 10, 3), (0.7, 10, 7)])
 def test_resolve_budget_fraction_of_an_exact_multiple_is_not_rounded_up(fraction, length, expected):
     # 7% of 100 tokens is 7 tokens, not ceil(7.000000000000001) = 8
-    assert resolve_budget(fraction, t([length], torch.long)).tolist() == [expected]
+    assert tokens_for(fraction, t([length], torch.long)).tolist() == [expected]
 
 
 @settings(max_examples=80, deadline=None)
 @given(cases(), st.integers(0, 1))
 def test_head_eviction_of_at_most_one_token_per_head_follows_the_rule_book(case, spare):
-    # Decode-time eviction: every head holds at most one token over its budget (select_keep's fast path).
+    # Decode-time eviction: every head holds at most one token over its budget (keep_mask's fast path).
     case.budget = [max(1, max(live_count(case, b, h) for h in range(case.H)) - spare) for b in range(case.B)]
     assert case.kept("head") == reference_keep(case, "head")

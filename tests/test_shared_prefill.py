@@ -18,9 +18,10 @@ import torch
 from typer.testing import CliRunner
 
 from evalkit.attention import attention_statistics, evalkit_attention, prompt_attention, window_queries
-from evalkit.generate import GenerationSettings, Request, forward, generate, start
+from evalkit.loop import GenerationSettings, Request, generate, start
+from evalkit.loop.state import forward
 from evalkit.policies import make_policy
-from evalkit.shared_prefill import share_prefill, statistic_key
+from evalkit.loop.shared_prefill import share_prefill, statistic_key
 
 POLICIES = ["h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
             "pyramidkv_head", "adakv_snapkv", "quest", "random"]
@@ -180,11 +181,11 @@ def lines(run_path: str) -> list[dict]:
 
 @pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
 def test_run_many_writes_what_one_run_per_cell_writes(tiny_model_dir, tmp_path, query_aware):
-    from evalkit import shared_prefill as loop
+    from evalkit.loop import shared_prefill
     from evalkit.runner import run, run_many
 
     prefills = []
-    original = loop.share_prefill
+    original = shared_prefill.share_prefill
 
     def counting(*args, **kwargs):
         prefills.append(1)

@@ -113,7 +113,7 @@ def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None) -> d
 def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -> dict:
     """A policy's `score` and `select` over n slots of one layer, as `compress` runs them."""
     from evalkit.cache.storage import key_norms_of
-    from evalkit.policies import ScoreInput, make_policy, resolve_budget
+    from evalkit.policies import ScoreInput, make_policy, tokens_for
 
     device = torch.device(shape.device)
     generator = torch.Generator().manual_seed(n)
@@ -122,7 +122,7 @@ def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -
     attention = torch.rand(1, shape.kv_heads, n, generator=generator).to(device)
     positions = torch.arange(n, device=device).expand(1, shape.kv_heads, n)
     seen = torch.tensor([n])
-    tokens = resolve_budget(budget, seen)
+    tokens = tokens_for(budget, seen)
     recent = torch.minimum(policy.recent_count(tokens), tokens)
     key_norms = key_norms_of(keys)  # kept by the storage (`SlotLayer.key_norms`), not part of a step
 

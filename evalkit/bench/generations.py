@@ -127,7 +127,7 @@ def eos_disabled(model):
 # --- one generation -----------------------------------------------------------------------------
 
 def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: Cell, clock: Clock) -> dict:
-    from evalkit.generate import GenerationSettings, Request, generate
+    from evalkit.loop import GenerationSettings, Request, generate
     from evalkit.policies import make_policy
 
     marks: list[tuple[str, object]] = []

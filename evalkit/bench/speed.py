@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 from evalkit.bench.generations import bench_prompts, eos_disabled
-from evalkit.generate import GenerationSettings, Request, generate
+from evalkit.loop import GenerationSettings, Request, generate, share_prefill
 from evalkit.models import load_model
 from evalkit.policies import make_policy
-from evalkit.shared_prefill import share_prefill
 
 MEASURES = ("loop", "overhead", "statistics", "sweep")
 

@@ -8,10 +8,10 @@ How each request type reads the cache (budget, policy and layout as in `evalkit 
 - `loglikelihood`: the context is prefilled and compressed under the policy, then the
   continuation is read through the sparse cache by teacher forcing: one token per forward with
   eviction after each, like decoding, when decode eviction is on (or a Quest-style read
-  restriction applies); else in one forward. `score_continuations` in evalkit.teacher_forcing.
+  restriction applies); else in one forward. `score_continuations` in evalkit.loop.teacher_forcing.
 - `loglikelihood_rolling`: lm-eval's rolling windows (first token predicted from the prefix
   token, windows of `max_length`); each window streamed in chunks of `chunk_size`, compressed
-  after every chunk, loss on every token. `score_rolling` in evalkit.teacher_forcing.
+  after every chunk, loss on every token. `score_rolling` in evalkit.loop.teacher_forcing.
 - `generate_until`: evalkit's generation loop (`generate`) with the request's stop sequences and
   `max_gen_toks`, prompts batched `batch_size` at a time.
 At budget 1 all three equal lm-eval's own HF model (`--model hf`).
@@ -39,8 +39,7 @@ from tqdm import tqdm
 from evalkit import models
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate
-from evalkit.teacher_forcing import ScoreRequest, score_continuations, score_rolling
+from evalkit.loop import GenerationSettings, Request, ScoreRequest, generate, score_continuations, score_rolling
 from evalkit.integrations.lm_eval_options import MODEL_NAME, RESULTS_KEY, AdapterConfig
 from evalkit.policies import make_policy
 

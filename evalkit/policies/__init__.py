@@ -1,10 +1,11 @@
 """Policies by name. Importing this package registers every built-in policy."""
 
-from evalkit.policies.base import POLICIES, Policy, ScoreInput, make_policy, policy_args, resolve_budget
-from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, select_adaptive, select_keep
+from evalkit.policies.base import POLICIES, Policy, ScoreInput, make_policy, policy_args
+from evalkit.policies.budget import Budget, fraction_of, parse_budget, tokens_for
+from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, keep_mask, select_adaptive
 from evalkit.policies import (  # noqa: F401  (registration)
     adakv, full, h2o, knorm, pyramidkv, quest, random_policy, snapkv, streaming_llm, tova,
 )
 
-__all__ = ["GRANULARITIES", "PAGE_GRANULARITIES", "POLICIES", "Policy", "ScoreInput", "make_policy", "policy_args",
-           "resolve_budget", "select_adaptive", "select_keep"]
+__all__ = ["GRANULARITIES", "PAGE_GRANULARITIES", "POLICIES", "Budget", "Policy", "ScoreInput", "fraction_of",
+           "keep_mask", "make_policy", "parse_budget", "policy_args", "select_adaptive", "tokens_for"]

@@ -1,7 +1,7 @@
 from dataclasses import dataclass
 
 from evalkit.policies.base import POLICIES
-from evalkit.policies.selection import select_adaptive
+from evalkit.policies.selection import Granularity, select_adaptive
 from evalkit.policies.snapkv import SnapKV
 
 
@@ -20,12 +20,12 @@ class AdaSnapKV(SnapKV):
     scorer = "window attention + pooling, adaptive head budgets"
     paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"
     differs = "at token and page granularity there is one set for all heads, nothing to reallocate: it is SnapKV"
-    cannot_run_at = {"head_page": "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
+    cannot_run_at = {Granularity.HEAD_PAGE: "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
 
-    def select(self, scores, positions, seen, budget, block_size, recent):
-        if self.granularity != "head":  # one token set for all heads: nothing to reallocate
-            return super().select(scores, positions, seen, budget, block_size, recent)
-        return select_adaptive(scores, positions, seen, budget, self.alpha_safeguard, self.sink_tokens, recent)
+    def select(self, scores, positions, seen, caps, block_size, recent):
+        if self.granularity != Granularity.HEAD:  # one token set for all heads: nothing to reallocate
+            return super().select(scores, positions, seen, caps, block_size, recent)
+        return select_adaptive(scores, positions, seen, caps, self.alpha_safeguard, self.sink_tokens, recent)
 
 
 POLICIES.register("adakv_snapkv", lambda: AdaSnapKV(name="adakv_snapkv"), aliases=("adakv",))

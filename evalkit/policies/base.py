@@ -13,7 +13,8 @@ from typing import ClassVar
 import torch
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, select_keep
+from evalkit.policies.budget import Budget, check_budget
+from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, Granularity, keep_mask
 from evalkit.registry import Registry
 
 
@@ -47,7 +48,7 @@ class Policy:
     settable with `--policy-arg KEY=VALUE` (`arg_aliases` adds short names).
     """
 
-    granularity: str = "head"
+    granularity: Granularity = Granularity.HEAD
     sink_tokens: int = 0  # the first positions, always kept
     recent_fraction: float = 0.0  # share of the budget (after sinks) given to the most recent tokens
     recent_tokens: int = 0  # most recent tokens always kept, on top of the fraction (within the budget)
@@ -77,20 +78,21 @@ class Policy:
     def needs_statistic(self) -> bool:
         return self.collect_prefill is not None
 
-    def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
-        """[B] most recent tokens protected at this budget (before clamping to it)."""
-        spare = (budget - self.sink_tokens).clamp(min=0)
+    def recent_count(self, caps: torch.Tensor) -> torch.Tensor:
+        """Most recent tokens protected at these caps (before clamping to it)."""
+        spare = (caps - self.sink_tokens).clamp(min=0)
         return self.recent_tokens + (self.recent_fraction * spare).long()
 
-    def layer_budgets(self, budget: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
-        """[L, B] tokens per KV head for each layer; uniform unless an allocator says otherwise."""
-        return budget.expand(num_layers, -1)
+    def layer_caps(self, tokens: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
+        """caps [L, B]: the budget's `tokens` [B] per KV head spread over the layers; uniform unless an
+        allocator says otherwise."""
+        return tokens.expand(num_layers, -1)
 
-    def select(self, scores, positions, seen, budget, block_size, recent) -> torch.Tensor:
+    def select(self, scores, positions, seen, caps, block_size, recent) -> torch.Tensor:
         """[B, H_kv, N] bool: the slots to keep (the shared selection at this policy's granularity)."""
-        return select_keep(scores, positions, seen, budget, self.granularity, block_size, self.sink_tokens, recent)
+        return keep_mask(scores, positions, seen, caps, self.granularity, block_size, self.sink_tokens, recent)
 
-    def attended_slots(self, layer, query, keys, positions, budget, block_size) -> torch.Tensor | None:
+    def attended_slots(self, layer, query, keys, positions, read_tokens, block_size) -> torch.Tensor | None:
         """For policies that restrict what a decode query reads (Quest): [B, H_kv, N] bool, else None."""
         return None
 
@@ -101,22 +103,16 @@ class Policy:
         if not 0 <= self.recent_fraction <= 1:
             raise EvalkitError(f"{self.name}: recent_fraction must be in [0, 1], got {self.recent_fraction}")
 
-    def check_budget(self, budget: float | int, block_size: int, length: int) -> None:
-        """Refuse a budget below one page at a page granularity (it could keep no whole page)."""
-        if self.granularity not in PAGE_GRANULARITIES or not self.evicts:
-            return
-        tokens = int(resolve_budget(budget, torch.tensor([length]))[0])
-        if tokens < min(block_size, length):
-            raise EvalkitError(
-                f"budget {budget} keeps {tokens} tokens per head of {length}, less than one page: at granularity "
-                f"{self.granularity} the smallest budget is {block_size} tokens (block size) or "
-                f"{block_size / length:.4g} of --length {length}")
+    def check_budget(self, budget: Budget, block_size: int, length: int) -> None:
+        """Refuse a budget that keeps less than one token, or less than one page at a page granularity."""
+        whole_pages = self.granularity in PAGE_GRANULARITIES and self.evicts
+        check_budget(budget, length, block_size, self.granularity if whole_pages else None)
 
 
 POLICIES: Registry[Policy] = Registry("policy")
 
 
-def register_presets(cls: type[Policy], base: str, default: str = "head",
+def register_presets(cls: type[Policy], base: str, default: Granularity = Granularity.HEAD,
                      aliases: dict[str, tuple[str, ...]] | None = None, **fields):
     """Register `<base>_<granularity>` for every granularity; `base` itself names the `default` one."""
     aliases = {default: (base,), **(aliases or {})}
@@ -138,7 +134,7 @@ def make_policy(name: str, granularity: str | None = None, args: dict[str, str] 
         if granularity in policy.cannot_run_at:
             raise EvalkitError(f"{policy.name} cannot run at granularity {granularity}: "
                                f"{policy.cannot_run_at[granularity]}")
-        policy.granularity = granularity
+        policy.granularity = Granularity(granularity)
     if args:
         policy = dataclasses.replace(policy, **_parse_args(policy, args))
     policy.check()
@@ -182,16 +178,6 @@ def _parse_value(policy: Policy, key: str, name: str, text: str, kind: type):
     if choices and text not in choices:
         raise EvalkitError(f"{policy.name}: policy-arg {key} must be one of {', '.join(choices)}, got {text!r}")
     return text
-
-
-def resolve_budget(budget: float, lengths: torch.Tensor) -> torch.Tensor:
-    """[B] tokens to keep per KV head: a fraction in (0, 1] of each length, or an integer count > 1."""
-    if budget <= 1:
-        # Rounded first so 0.07 * 100 (= 7.000000000000001 in floating point) keeps 7, not 8.
-        kept = torch.ceil((lengths.double() * budget).round(decimals=9)).long()
-    else:
-        kept = torch.full_like(lengths, int(budget))
-    return torch.minimum(kept.clamp(min=1), lengths)
 
 
 def in_position_space(fn, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

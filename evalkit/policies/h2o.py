@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from evalkit.policies.base import Policy, ScoreInput, register_presets
+from evalkit.policies.selection import Granularity
 
 
 @dataclass
@@ -31,4 +32,4 @@ class H2O(Policy):
         return inp.attention / queries
 
 
-register_presets(H2O, "h2o", aliases={"token": ("h2o_block1",)})
+register_presets(H2O, "h2o", aliases={Granularity.TOKEN: ("h2o_block1",)})

@@ -25,11 +25,11 @@ class PyramidKV(SnapKV):
     differs = ("layer budgets rounded by largest remainders so the total equals the uniform one exactly "
                "(KVCache-Factory floors the step and keeps a few % more)")
 
-    def layer_budgets(self, budget: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
+    def layer_caps(self, tokens: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
         w = self.observation_window
-        selected = (budget - w).double()  # [B] m
+        selected = (tokens - w).double()  # [B] m
         if num_layers == 1:
-            return budget[None]
+            return tokens[None]
         lo = torch.floor(selected / self.beta)
         hi = 2 * selected - lo
         prefix = (lengths - w).double()
@@ -43,7 +43,7 @@ class PyramidKV(SnapKV):
         by_fraction = torch.argsort(-(exact - floor), dim=0, stable=True)
         rank = torch.empty_like(by_fraction).scatter_(0, by_fraction, torch.arange(num_layers)[:, None].expand_as(by_fraction))
         pyramid = floor.long() + (rank < short).long() + w
-        return torch.where(selected > 0, pyramid, budget.expand(num_layers, -1))  # [L, B]
+        return torch.where(selected > 0, pyramid, tokens.expand(num_layers, -1))  # [L, B]
 
 
 register_presets(PyramidKV, "pyramidkv")

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from evalkit.policies.base import POLICIES, Policy, ScoreInput
+from evalkit.policies.selection import Granularity
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Quest(Policy):
     full cache; what it saves is bandwidth.
     """
 
-    granularity: str = "head"
+    granularity: Granularity = Granularity.HEAD
     dense_layers: int = 2
     min_pages: int = 3
     description = "no eviction; each decode step attends only to the top pages by query-aware key bounds"
@@ -28,13 +29,13 @@ class Quest(Policy):
     restricts_reads = True
     saves = "bandwidth"
     cannot_run_at = {g: "Quest evicts nothing and already reads whole pages; use quest (per head) or quest_token"
-                     for g in ("page", "head_page")}
+                     for g in (Granularity.PAGE, Granularity.HEAD_PAGE)}
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return torch.zeros_like(inp.attention)
 
     def attended_slots(self, layer: int, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                       budget: torch.Tensor, block_size: int) -> torch.Tensor:
+                       read_tokens: torch.Tensor, block_size: int) -> torch.Tensor:
         """[B, H_kv, N] bool: the slots one decode query reads. query: [B, H_q, D]; keys: [B, H_kv, N, D]."""
         B, H_kv, N, D = keys.shape
         live = positions >= 0
@@ -50,16 +51,16 @@ class Quest(Policy):
         bound = torch.maximum(q * lo[:, :, None], q * hi[:, :, None]).sum(-1).sum(2)  # [B, H_kv, P]
         present = torch.isfinite(lo[..., 0])  # pages holding a live token
         bound = bound.masked_fill(~present, float("-inf"))
-        if self.granularity != "head":
+        if self.granularity != Granularity.HEAD:
             bound = bound.mean(1, keepdim=True).expand_as(bound)
         newest = positions.amax(-1) // block_size  # [B, H_kv]
         bound = bound.scatter(2, newest[..., None], float("inf"))
         order = torch.sort(bound, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n_pages, device=keys.device).expand_as(order))
-        pages_kept = (-(-budget.to(keys.device) // block_size)).clamp(min=self.min_pages)  # [B]
+        pages_kept = (-(-read_tokens.to(keys.device) // block_size)).clamp(min=self.min_pages)  # [B]
         chosen = present & (rank < pages_kept[:, None, None])  # [B, H_kv, P]
         return live & chosen.gather(2, page)
 
 
 POLICIES.register("quest", lambda: Quest(name="quest"), aliases=("quest_head",))
-POLICIES.register("quest_token", lambda: Quest(granularity="token", name="quest_token"))
+POLICIES.register("quest_token", lambda: Quest(granularity=Granularity.TOKEN, name="quest_token"))

@@ -10,11 +10,24 @@ position), until the budget is spent — protected tokens count against it.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import torch
 
 NEG_INF = float("-inf")
-GRANULARITIES = ("head", "token", "page", "head_page")
-PAGE_GRANULARITIES = ("page", "head_page")
+
+
+class Granularity(StrEnum):
+    """What one eviction decision covers (docs/policies.md); equal to its name as a string."""
+
+    HEAD = "head"  # each (layer, sequence, KV head) keeps its own tokens
+    TOKEN = "token"  # one token set per (layer, sequence), shared by its heads
+    PAGE = "page"  # whole pages per (layer, sequence), shared by its heads
+    HEAD_PAGE = "head_page"  # whole pages per (layer, sequence, KV head)
+
+
+GRANULARITIES = tuple(Granularity)
+PAGE_GRANULARITIES = (Granularity.PAGE, Granularity.HEAD_PAGE)
 
 # Tiers of the keep order; within a tier the secondary key decides (ascending).
 SINK, PROTECTED, RANKED, ABSENT = 0, 1, 2, 3
@@ -28,12 +41,12 @@ def _rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(-1, order, steps)
 
 
-def _drop_at_most_one(scores, positions, seen, budget, sink_tokens, recent) -> torch.Tensor | None:
+def _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent) -> torch.Tensor | None:
     """`head` selection when no head holds more than one token over its budget (decode-time eviction),
     else None: the token ranked last in the keep order leaves. Worked out on the slots themselves, with
     a few reductions instead of the position-space sorts."""
     live = positions >= 0
-    excess = live.sum(-1) - budget[:, None]  # [B, H]
+    excess = live.sum(-1) - caps[:, None]  # [B, H]
     if int(excess.max()) > 1:
         return None
     over = (excess > 0)[..., None]  # [B, H, 1] heads that lose a token
@@ -84,57 +97,57 @@ def _to_slots(keep: torch.Tensor, col: torch.Tensor, live: torch.Tensor) -> torc
     return keep.gather(2, col) & live
 
 
-def select_keep(
+def keep_mask(
     scores: torch.Tensor,  # [B, H_kv, N] per slot
     positions: torch.Tensor,  # [B, H_kv, N] -1 = empty
     seen: torch.Tensor,  # [B] tokens seen so far (positions are < seen)
-    budget: torch.Tensor,  # [B] tokens to keep per head
+    caps: torch.Tensor,  # [B] tokens to keep per head (rows of caps [L, B], `policies.budget`)
     granularity: str,
     block_size: int = 16,
     sink_tokens: int = 0,
     recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept (within the budget)
 ) -> torch.Tensor:
     """[B, H_kv, N] bool: the live slots to keep."""
-    if granularity == "head":
-        keep = _drop_at_most_one(scores, positions, seen, budget, sink_tokens, recent)
+    if granularity == Granularity.HEAD:
+        keep = _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent)
         if keep is not None:
             return keep
     pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
     B, H, T = pos_scores.shape
     position = torch.arange(T).expand(B, H, T)
-    if granularity == "head":
+    if granularity == Granularity.HEAD:
         tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
-        keep = present & (_rank(tier, secondary) < budget[:, None, None])
-    elif granularity == "token":
+        keep = present & (_rank(tier, secondary) < caps[:, None, None])
+    elif granularity == Granularity.TOKEN:
         token_present = present.any(1)  # [B, T]
         token_score = pos_scores.masked_fill(~present, 0).sum(1) / present.sum(1).clamp(min=1)
         tier, secondary = _keep_order(token_score, token_present, sink, protected, position[:, 0])
-        keep = present & (_rank(tier, secondary) < budget[:, None])[:, None, :]
+        keep = present & (_rank(tier, secondary) < caps[:, None])[:, None, :]
     elif granularity in PAGE_GRANULARITIES:
-        keep = present & _keep_pages(pos_scores, present, sink, protected, seen, budget, block_size,
-                                     per_head=granularity == "head_page")
+        keep = present & _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size,
+                                     per_head=granularity == Granularity.HEAD_PAGE)
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
     return _to_slots(keep, col, live)
 
 
-def select_adaptive(scores, positions, seen, budget, alpha_safeguard: float = 0.2, sink_tokens: int = 0,
+def select_adaptive(scores, positions, seen, caps, alpha_safeguard: float = 0.2, sink_tokens: int = 0,
                     recent=None) -> torch.Tensor:
     """Ada-KV's allocation: a layer keeps `budget[b] * H_kv` tokens in all, split across heads by score.
 
-    Each head first keeps its protected tokens (at most its budget, in the keep order) and its best
-    ceil(alpha_safeguard * budget); the rest of the layer's budget goes to the highest remaining
+    Each head first keeps its protected tokens (at most its cap, in the keep order) and its best
+    ceil(alpha_safeguard * cap); the rest of the layer's budget goes to the highest remaining
     scores of any head (ties: lower head, earlier position).
     """
     pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
     B, H, T = pos_scores.shape
     tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T).expand(B, H, T))
     n_protected = (present & protected[:, None]).sum(-1)  # [B, H]
-    head_budget = budget[:, None]
-    floor = torch.ceil(budget.double() * alpha_safeguard).long()[:, None]
-    forced_count = torch.maximum(torch.minimum(n_protected, head_budget), torch.minimum(floor, head_budget))
+    head_cap = caps[:, None]
+    floor = torch.ceil(caps.double() * alpha_safeguard).long()[:, None]
+    forced_count = torch.maximum(torch.minimum(n_protected, head_cap), torch.minimum(floor, head_cap))
     forced = present & (_rank(tier, secondary) < forced_count[..., None])
-    left = (budget * H - forced.sum((1, 2))).clamp(min=0)  # [B]
+    left = (caps * H - forced.sum((1, 2))).clamp(min=0)  # [B]
     pool = present & ~forced
     pool_tier = torch.where(pool, RANKED, ABSENT).view(B, H * T)
     pool_rank = _rank(pool_tier, (-pos_scores.double()).masked_fill(~pool, 0.0).view(B, H * T))
@@ -142,7 +155,7 @@ def select_adaptive(scores, positions, seen, budget, alpha_safeguard: float = 0.
     return _to_slots(forced | chosen, col, live)
 
 
-def _keep_pages(pos_scores, present, sink, protected, seen, budget, block_size, per_head: bool) -> torch.Tensor:
+def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, per_head: bool) -> torch.Tensor:
     """Whole pages of `block_size` consecutive positions: [B, 1, T] shared by all heads (`page`) or
     [B, H, T] per head (`head_page`). Greedy fill in the keep order: take each page whose tokens
     still fit in the budget, skip the others."""
@@ -179,7 +192,7 @@ def _keep_pages(pos_scores, present, sink, protected, seen, budget, block_size, 
     tier, secondary = _keep_order(page_score, page_present, page_sink, page_protected, page_index)
     order = torch.argsort(_rank(tier, secondary), dim=-1)  # page ids in keep order
     count = tokens.gather(-1, order)
-    remaining = budget.view(B, *(1,) * (count.dim() - 1)).clone()
+    remaining = caps.view(B, *(1,) * (count.dim() - 1)).clone()
     candidate = count > 0
     taken = torch.zeros_like(candidate)
     while True:

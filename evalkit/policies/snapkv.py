@@ -30,8 +30,8 @@ class SnapKV(Policy):
     arg_aliases = {"window": "observation_window", "kernel": "kernel_size"}
     arg_choices = {"pooling": ("max", "avg")}
 
-    def recent_count(self, budget: torch.Tensor) -> torch.Tensor:
-        return super().recent_count(budget) + self.observation_window
+    def recent_count(self, caps: torch.Tensor) -> torch.Tensor:
+        return super().recent_count(caps) + self.observation_window
 
     def check(self) -> None:
         super().check()

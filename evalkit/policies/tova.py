@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from evalkit.policies.base import Policy, ScoreInput, register_presets
+from evalkit.policies.selection import Granularity
 
 
 @dataclass
@@ -16,7 +17,7 @@ class TOVA(Policy):
     that is `tova` = `tova_token`; `tova_head` is the per-KV-head variant.
     """
 
-    granularity: str = "token"
+    granularity: Granularity = Granularity.TOKEN
     description = ("attention of the latest query, averaged over the query heads that share the set "
                    "(at token granularity all heads: one set per layer); one eviction per step")
     scorer = "last-query attention"
@@ -28,4 +29,4 @@ class TOVA(Policy):
         return inp.attention
 
 
-register_presets(TOVA, "tova", default="token")
+register_presets(TOVA, "tova", default=Granularity.TOKEN)

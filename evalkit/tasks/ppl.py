@@ -4,7 +4,7 @@ Each sample is a passage of `--length` tokens. The runner feeds it in chunks of
 `--chunk-size` tokens, compressing the cache to the budget (a fraction of the
 passage, or a token count) after every chunk, and takes the loss of every token
 from position `--chunk-size` on: each is predicted from what the cache kept of
-the tokens before its chunk, plus its own chunk (`evalkit.teacher_forcing.score_rolling`).
+the tokens before its chunk, plus its own chunk (`evalkit.loop.teacher_forcing.score_rolling`).
 The first chunk is context only, as every policy sees it whole. At budget 1 the
 numbers are the full model's over the whole passage in one forward pass.
 

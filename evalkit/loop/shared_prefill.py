@@ -3,7 +3,7 @@
 In full-prefill mode the prompt's forward pass does not depend on the policy (a layer's first
 tokens attend to themselves the same way whatever the storage or statistic:
 `evalkit.attention.prompt_attention`), so `share_prefill` runs it once, recording each layer's K/V
-and every statistic the cells need, and `generate.generate(..., shared=)` gives each cell the cache its own forward and compression would
+and every statistic the cells need, and `generate(..., shared=)` gives each cell the cache its own forward and compression would
 have left: a cell whose prompt is compressed whole (query-aware, the usual case) chooses its tokens on a
 copy of the prompt stored once for every cell of its layout, and its own cache receives only the tokens it
 keeps (`SharedPrefill.fork_compressed`); a cell whose question is appended after compression stores the
@@ -20,8 +20,8 @@ import torch
 
 from evalkit.attention import PromptRecord, evalkit_attention, store_statistic
 from evalkit.cache import KVCache
-from evalkit.generate import (GenerationSettings, LoopState, Request, forward, left_padded, new_cache, select_kept,
-                              split_prompts)
+from evalkit.loop.compression import slots_to_keep
+from evalkit.loop.state import GenerationSettings, LoopState, Request, forward, left_padded, new_cache, split_prompts
 from evalkit.policies import Policy, make_policy
 
 
@@ -59,8 +59,8 @@ class SharedPrefill:
             state.observe("forward", state.cache)
         return self.logits.clone()
 
-    def fork_compressed(self, state: LoopState, budgets: torch.Tensor, after_prefill: torch.Tensor) -> torch.Tensor:
-        """`fork_into`, `generate.compress` to `budgets` [L, B] and compaction, for a cell with no cache yet,
+    def fork_compressed(self, state: LoopState, caps: torch.Tensor, after_prefill: torch.Tensor) -> torch.Tensor:
+        """`fork_into`, `compress` to `caps` [L, B] and compaction, for a cell with no cache yet,
         without storing what compression drops: the policy chooses on the prompt as `fork_into` would have
         stored it (kept here, shared by every cell of the same storage shape), and the cell's new cache,
         sized for what it keeps plus `after_prefill` [B], receives the kept tokens in their order, as
@@ -68,7 +68,7 @@ class SharedPrefill:
         valid, positions = self._positions(state)
         stored = self._stored_with(state, after_prefill, valid, positions)
         self._advance(state, valid)
-        chosen = select_kept(state, stored.layers, budgets)
+        chosen = slots_to_keep(state, stored.layers, caps)
         choices = [(layer.slot_index(), layer.gather(layer.pos, layer.slot_index()) >= 0) if c is None else c
                    for layer, c in zip(stored.layers, chosen)]
         kept = torch.stack([keep.sum(-1).amax(-1) for _, keep in choices]).amax(0)  # [B] most a head keeps

@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from evalkit.attention import evalkit_attention
-from evalkit.generate import (GenerationSettings, Observer, run_budgets, compress, forward, new_state, prefill,
-                              restrict_reads, split_prompts)
+from evalkit.loop.compression import budgets_for, compress
+from evalkit.loop.generate import prefill, restrict_reads
+from evalkit.loop.state import GenerationSettings, Observer, forward, new_state, split_prompts
 
 
 @dataclass
@@ -52,10 +53,11 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
     unique = [requests[member.index(g)] for g in range(len(groups))]
     policy = settings.policy
     compressed, appended = split_prompts(unique, settings.query_aware)
-    lengths, budget, evicting, budgets = run_budgets(model, settings, compressed)
+    budgets = budgets_for(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     fed = [r.continuation_ids[:-1] for r in unique]  # the last token is predicted, never fed
-    state = new_state(model, settings, lengths, budgets, extra + torch.tensor([len(f) for f in fed]), observe)
+    state = new_state(model, settings, budgets.lengths, budgets.caps, extra + torch.tensor([len(f) for f in fed]),
+                      observe)
     cache = state.cache
     # Per unique prompt: log-probs of the shared continuation tokens, greedy so far, last distribution.
     shared: list[list[float]] = [[] for _ in unique]
@@ -74,10 +76,10 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
             last[b] = rows[-1].cpu()
 
     with evalkit_attention(model):
-        decode_evicts = bool(evicting.any()) and settings.decode_eviction
+        decode_evicts = budgets.any_evicting and settings.decode_eviction
         decode_collect = policy.collect_decode if decode_evicts else None
-        state.collect = policy.collect_prefill if bool(evicting.any()) else None
-        logits = prefill(state, compressed, appended, budgets, decode_collect)
+        state.collect = policy.collect_prefill if budgets.any_evicting else None
+        logits = prefill(state, compressed, appended, budgets.caps, decode_collect)
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
         logprobs = torch.log_softmax(logits, -1)
@@ -85,12 +87,12 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
             take(b, logprobs[b:b + 1], 0)
 
         state.collect = decode_collect
-        restrict_reads(state, budget, lengths, extra)
-        stepwise = decode_evicts or (policy.restricts_reads and bool((budget < lengths).any()))
+        restrict_reads(state, budgets, extra)
+        stepwise = decode_evicts or (policy.restricts_reads and bool((budgets.tokens < budgets.lengths).any()))
         if stepwise:
             for step in range(max(len(f) for f in fed)):
                 logits, counts = forward(state, [f[step:step + 1] for f in fed])
-                compress(state, budgets + extra)
+                compress(state, budgets.caps + extra)
                 logprobs = torch.log_softmax(logits, -1)
                 for b in range(len(unique)):
                     if counts[b]:
@@ -124,15 +126,16 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
     settings = replace(settings, prefill="chunked")
     policy = settings.policy
     inputs = [list(s[:-1]) for s in sequences]
-    lengths, _, evicting, budgets = run_budgets(model, settings, inputs)
-    state = new_state(model, settings, lengths, budgets, torch.zeros(len(inputs), dtype=torch.long), observe)
+    budgets = budgets_for(model, settings, inputs)
+    lengths = budgets.lengths
+    state = new_state(model, settings, lengths, budgets.caps, torch.zeros(len(inputs), dtype=torch.long), observe)
     cache = state.cache
     first_scored = [len(t) - n for t, n in zip(inputs, scored)]
     logprobs: list[list[float]] = [[] for _ in inputs]
     greedy = [True] * len(inputs)
     chunk = settings.chunk_size
     with evalkit_attention(model):
-        state.collect = policy.collect_prefill if bool(evicting.any()) else None
+        state.collect = policy.collect_prefill if budgets.any_evicting else None
         for start in range(0, max(len(t) for t in inputs), chunk):
             logits, counts = forward(state, [t[start:start + chunk] for t in inputs], all_logits=True)
             width = logits.shape[1]
@@ -145,7 +148,7 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
                 targets = torch.tensor(sequence[start + skip + 1:start + n + 1], device=rows.device)
                 logprobs[b] += rows.gather(1, targets[:, None])[:, 0].tolist()
                 greedy[b] = greedy[b] and bool((rows.argmax(-1) == targets).all())
-            compress(state, budgets)
+            compress(state, budgets.caps)
         state.cache.compact()
         if observe:
             observe("prefill", cache)

@@ -23,8 +23,9 @@ import weakref
 import torch
 
 from evalkit.attention import CellPlans, evalkit_attention
-from evalkit.generate import Generation, GenerationSettings, Request, Decoding, fed, forward, forward_inputs, start
-from evalkit.shared_prefill import SharedPrefill
+from evalkit.loop.generate import Decoding, start
+from evalkit.loop.shared_prefill import SharedPrefill
+from evalkit.loop.state import Generation, GenerationSettings, Request, fed, forward, forward_inputs
 
 # model -> {("model", rows per cell) or ("linears", cells, rows per cell): bool}, probed once each
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -94,7 +95,7 @@ def _free_memory(device: torch.device) -> int:
 @torch.no_grad()  # not inference mode: what it writes into the cells' caches stays usable outside it
 def forward_cells(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:
     """One forward feeding cell i (`states[i]`) its rows `tokens[i]`, one token each: each cell's
-    last-token logits [B, V] as its own `generate.forward` gives them, and the seconds each spent in its
+    last-token logits [B, V] as its own `forward` gives them, and the seconds each spent in its
     own attention."""
     inputs = [forward_inputs(state, rows) for state, rows in zip(states, tokens)]
     plans = CellPlans.of([plan for _, _, plan, _ in inputs], [len(rows) for rows in tokens])

@@ -1,0 +1,93 @@
+"""Where budget meets policy meets cache: the caps each layer is evicted down to (`Budgets`), the slots
+the policy keeps (`slots_to_keep`) and the eviction itself (`compress`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from evalkit.cache import model_kv_shape
+from evalkit.loop.state import NO_LIMIT, GenerationSettings, LoopState
+from evalkit.policies import PAGE_GRANULARITIES, ScoreInput, tokens_for
+from evalkit.policies.budget import at_least_one_page
+
+
+@dataclass
+class Budgets:
+    """A batch's budget in every shape the loop needs (`policies.budget` names them)."""
+
+    lengths: torch.Tensor  # [B] tokens of each compressed prompt
+    tokens: torch.Tensor  # [B] the budget in tokens per KV head
+    evicting: torch.Tensor  # [B] bool: the budget is below the prompt (and the policy evicts)
+    caps: torch.Tensor  # [L, B] tokens per KV head of each layer; NO_LIMIT where not evicting
+
+    @property
+    def any_evicting(self) -> bool:
+        return bool(self.evicting.any())
+
+
+def budgets_for(model, settings: GenerationSettings, compressed: list[list[int]]) -> Budgets:
+    """The budgets of the compressed prompts under `settings`."""
+    policy = settings.policy
+    lengths = torch.tensor([len(t) for t in compressed])
+    tokens = tokens_for(settings.budget, lengths)
+    evicting = (tokens < lengths) & policy.evicts
+    num_layers = model_kv_shape(model.config)[0]
+    # A sequence at full budget is never evicted, not even while decoding.
+    caps = torch.where(evicting, torch.minimum(policy.layer_caps(tokens, lengths, num_layers), lengths), NO_LIMIT)
+    if policy.granularity in PAGE_GRANULARITIES:
+        caps = at_least_one_page(caps, lengths, settings.block_size)
+    return Budgets(lengths, tokens, evicting, caps)
+
+
+def compress(state: LoopState, caps: torch.Tensor) -> None:
+    """Evict down to `caps[l, b]` tokens per head in layer l, as the policy chooses (`slots_to_keep`)."""
+    for layer, chosen in zip(state.cache.layers, slots_to_keep(state, state.cache.layers, caps)):
+        if chosen is not None:
+            layer.evict(*chosen)
+    if state.observe:
+        state.observe("compressed", state.cache)
+
+
+def _padded_to(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
+    """x [..., n] widened to [..., width] with `fill`; x itself when already that wide (no copy)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]), value=fill)
+
+
+def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer of `layers` (a cache's, or the same tokens stored elsewhere): (slot index, keep) [B, H_kv, N]
+    each, the slots the policy keeps at `caps[l, b]` tokens per head, or None when it holds no more.
+
+    Tokens fed since the last statistic was collected have no score: a policy that needs one
+    keeps them, as the most recent tokens (docs/policies.md). Each layer is scored on its own;
+    selection never mixes the rows of a batch, so the layers' rows are selected in one call.
+    """
+    policy = state.policy
+    unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
+    recents = torch.minimum(policy.recent_count(caps) + unscored, caps)  # [L, B]
+    over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over their caps
+    fewest_kept = caps.amin(1).tolist()  # [L]
+    for layer_idx, layer in enumerate(layers):
+        view = layer.read(trim=True)
+        within = view.index.shape[-1] <= fewest_kept[layer_idx] if view.all_live else \
+            bool(((view.pos >= 0).sum(-1).cpu() <= caps[layer_idx][:, None]).all())  # all_live: each head holds N
+        if within:
+            continue
+        keys = view.k if policy.reads_keys else None
+        key_norms = view.key_norms if policy.reads_key_norms else None
+        scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end,
+                                         key_norms))
+        over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
+    chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
+    if over:
+        layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
+        width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
+        keep = policy.select(torch.cat([_padded_to(x, width) for x in scores]).cpu(),
+                             torch.cat([_padded_to(pos, width, -1) for pos in positions]).cpu(),
+                             state.seen.repeat(len(over)), caps[layer_ids].reshape(-1), state.settings.block_size,
+                             recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
+        for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
+            chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))
+    return chosen
