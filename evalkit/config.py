@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import decimal
 import hashlib
 import json
 import math
-import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -16,37 +14,17 @@ from evalkit.cache import LAYOUTS
 from evalkit.errors import EvalkitError
 from evalkit.kernels import KERNEL_MODES
 from evalkit.models import check_device, window
-from evalkit.policies import GRANULARITIES, POLICIES, make_policy
+from evalkit.loop import GenerationSettings
+from evalkit.policies import POLICIES, Budget, make_policy, parse_budget
+from evalkit.policies.base import policy_label, refuse_contradiction
+from evalkit.policies.budget import TOKEN_LIMIT
 from evalkit.tasks import TASKS
 from evalkit.tasks.custom import DataTask, is_data_task, make_task, run_label
+from evalkit.tasks.ppl import Perplexity
 
 WANDB_MODES = ("auto", "off", "offline", "online")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# More positions than any model has: token counts at or above it are refused before any arithmetic on them
-# overflows, a buffer is sized from them, or one lands in a run id (a folder name).
-TOKEN_LIMIT = 2**31
 SEED_LIMIT = 2**32  # torch takes seeds below 2**64, and the random policy seeds each layer with seed * 100003 + layer
-
-
-def parse_budget(text: str | float | int) -> float | int:
-    """A fraction in (0, 1] of the prompt ('0.2', '1', '1.0') or a token count, an integer > 1 ('512')."""
-    raw = str(text).strip()
-    if re.fullmatch(r"[+-]?\d+", raw):
-        value = int(raw)
-        if value <= 0:
-            raise EvalkitError(f"budget must be > 0, got {raw}")
-        if value >= TOKEN_LIMIT:
-            raise EvalkitError(f"budget {raw} tokens is more than any model's window (the limit is 2**31)")
-        return 1.0 if value == 1 else value
-    try:
-        value = float(raw)
-    except ValueError:
-        raise EvalkitError(f"budget must be a fraction in (0, 1] or a token count > 1, got {raw!r}") from None
-    if not 0 < value <= 1:
-        raise EvalkitError(
-            f"budget {raw} is out of range: a fraction must be in (0, 1]; a token count must be an integer > 1"
-        )
-    return value
 
 
 def parse_task_args(items: list[str]) -> dict[str, str]:
@@ -69,11 +47,6 @@ def _key_values(items: list[str], flag: str) -> dict[str, str]:
     return args
 
 
-def smallest_fraction(length: int) -> float:
-    """The smallest budget fraction (3 significant digits, rounded up) that keeps one token of `length`."""
-    return float(decimal.Context(prec=3, rounding=decimal.ROUND_CEILING).divide(1, length))
-
-
 @runtime_checkable
 class SizedBySettings(Protocol):
     """A task whose settings (`--task-arg`), not only `--length`, set how long its samples are (the niah grid)."""
@@ -81,45 +54,56 @@ class SizedBySettings(Protocol):
     def longest(self, length: int) -> int: ...
 
 
+def setting(default=MISSING, *, factory=MISSING, in_id: bool = True, data: bool = False, baseline: bool = False,
+            after_prefill: bool = False, report: str = "setting"):
+    """A RunConfig field and the groups it belongs to (`fields_where` reads them):
+    - in_id: can change a result, so it is part of the run id;
+    - data: a data task's own (`jsonl:`, `hf:`): unset for registered tasks and then left out of the id;
+    - baseline: the full-cache baseline of a run must have the same value (the same samples, decoded alike);
+    - after_prefill: acts only after a full prefill, so runs that differ in nothing else share it;
+    - report: how `evalkit report` reads it: "curve" (a point of a policy's curve), "variant" (how a policy
+      ran: a series of its own), "ignored" (cannot change a score) or "setting" (a comparable group)."""
+    assert report in ("curve", "variant", "ignored", "setting")
+    metadata = {"in_id": in_id, "data": data, "baseline": baseline, "after_prefill": after_prefill, "report": report}
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
 @dataclass
 class RunConfig:
-    policy: str = "h2o_head"
-    budget: float | int = 0.2
-    task: str = "ruler:niah_single_2"
-    task_args: dict[str, str] = field(default_factory=dict)  # task-specific settings, `--task-arg key=value`
-    length: int = 2048  # prompt + answer tokens per sample, fitted with the model's tokenizer
-    samples: int = 10
-    model: str = DEFAULT_MODEL
-    layout: str = "paged"
-    block_size: int = 16
-    granularity: str | None = None  # None: the policy's own
-    policy_args: dict[str, str] = field(default_factory=dict)  # hyper-parameters, `--policy-arg key=value`
-    prefill: str = "full"
-    chunk_size: int = 512
-    query_aware: bool = True
-    decode_eviction: bool = True
-    temperature: float = 0.0
-    seed: int = 0
-    batch_size: int = 1
-    pool_pages: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    out: str = "runs"
-    wandb: str = "auto"
-    kernels: str = "auto"  # attention: auto (Triton on CUDA), triton, torch
+    policy: str = setting("h2o_head", after_prefill=True, report="curve")
+    budget: Budget = setting(0.2, after_prefill=True, report="curve")
+    task: str = setting("ruler:niah_single_2", baseline=True)
+    task_args: dict[str, str] = setting(factory=dict, baseline=True)  # task-specific settings, `--task-arg key=value`
+    length: int = setting(2048, baseline=True)  # prompt + answer tokens per sample, fitted with the model's tokenizer
+    samples: int = setting(10, baseline=True)
+    model: str = setting(DEFAULT_MODEL, baseline=True)
+    layout: str = setting("paged", after_prefill=True, report="variant")
+    block_size: int = setting(16, after_prefill=True, report="variant")
+    granularity: str | None = setting(None, after_prefill=True, report="variant")  # None: the policy's own
+    # hyper-parameters, `--policy-arg key=value`
+    policy_args: dict[str, str] = setting(factory=dict, after_prefill=True, report="variant")
+    prefill: str = setting("full", report="variant")
+    chunk_size: int = setting(512, report="variant")
+    query_aware: bool = setting(True, report="variant")
+    decode_eviction: bool = setting(True, after_prefill=True, report="variant")
+    temperature: float = setting(0.0, baseline=True, after_prefill=True)
+    seed: int = setting(0, baseline=True)
+    batch_size: int = setting(1, in_id=False, report="ignored")
+    pool_pages: int | None = setting(None, after_prefill=True, report="variant")
+    dtype: str = setting("auto", baseline=True)
+    device: str = setting("auto", report="ignored")
+    out: str = setting("runs", in_id=False, after_prefill=True, report="ignored")
+    wandb: str = setting("auto", in_id=False, after_prefill=True, report="ignored")
+    kernels: str = setting("auto", in_id=False, report="ignored")  # attention: auto (Triton on CUDA), triton, torch
     # Data tasks (`jsonl:PATH`, `hf:NAME[:CONFIG]:SPLIT`) only; validate() resolves them. There
     # `samples` becomes the number of records in [offset, offset + limit): data is never cut short.
-    data_format: str | None = None  # kvpress, ruler or longbench; None or "auto": detected
-    metric: str | None = None  # a METRICS name; None: the format's own
-    limit: int | None = None  # None: every record from offset on
-    offset: int | None = None  # None: 0
-    data_sha256: str | None = None  # SHA-256 of the selected records, so an edited file is a new run
-    question_split: bool | None = None  # whether the data keeps the question apart from the context
-
-    # Fields that cannot change a result: left out of the run id.
-    _NOT_IN_ID = ("out", "wandb", "batch_size", "kernels")
-    # Unset for registered tasks, and then left out of the id, so that their run ids stay what they were.
-    _DATA_FIELDS = ("data_format", "metric", "limit", "offset", "data_sha256", "question_split")
+    data_format: str | None = setting(None, data=True, baseline=True)  # kvpress, ruler or longbench; None/"auto": detected
+    metric: str | None = setting(None, data=True, baseline=True)  # a METRICS name; None: the format's own
+    limit: int | None = setting(None, data=True)  # None: every record from offset on
+    offset: int | None = setting(None, data=True, baseline=True)  # None: 0
+    # SHA-256 of the selected records, so an edited file is a new run
+    data_sha256: str | None = setting(None, data=True, baseline=True)
+    question_split: bool | None = setting(None, data=True)  # whether the data keeps the question apart from the context
 
     def validate(self) -> "RunConfig":
         """Every setting checked before any work: the model's config is read (its window), never its weights."""
@@ -129,7 +113,6 @@ class RunConfig:
                 raise EvalkitError(f"unknown task {self.task!r}; for your data file use --task jsonl:{self.task}")
             self.task = TASKS.canonical(self.task)
         self.budget = parse_budget(self.budget)
-        choice("granularity", self.granularity, GRANULARITIES, optional=True)
         choice("layout", self.layout, LAYOUTS)
         choice("prefill", self.prefill, ("full", "chunked"))
         choice("wandb", self.wandb, WANDB_MODES)
@@ -158,12 +141,15 @@ class RunConfig:
         return self
 
     def _check_budget(self) -> None:
-        if self.budget <= 1 and self.budget * self.length < 1 - 1e-9:
-            raise EvalkitError(f"budget {self.budget} keeps less than one token of --length {self.length}: the "
-                               f"smallest useful fraction is {smallest_fraction(self.length):g}, or give a token "
-                               f"count such as {max(2, self.block_size)}")
-        policy = make_policy(self.policy, self.granularity, self.policy_args)
+        policy = self.make_policy()  # the granularity and policy args checked here
+        refuse_contradiction(self.policy, self.granularity)
         policy.check_budget(self.budget, self.block_size, self.length)
+
+    def make_policy(self):
+        return make_policy(self.policy, self.granularity, self.policy_args)
+
+    def generation_settings(self) -> GenerationSettings:
+        return GenerationSettings.from_options(self, self.make_policy())
 
     def _check_window(self) -> None:
         """Samples longer than the model's window are refused before any is built (a haystack of a
@@ -197,18 +183,43 @@ class RunConfig:
         return replace(self, policy="full", budget=1.0, granularity=None, policy_args={})
 
     def identity(self) -> dict:
-        left_out = self._NOT_IN_ID + (() if is_data_task(self.task) else self._DATA_FIELDS)
+        left_out = fields_where(in_id=False) + (() if is_data_task(self.task) else fields_where(data=True))
         if not self.policy_args:  # runs without hyper-parameters keep the ids they had before the option existed
             left_out += ("policy_args",)
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
 
     def run_id(self) -> str:
+        """`<task>-<policy label>-<budget>-<digest>`: the label names the granularity run (`policy_label`).
+        A folder that an earlier evalkit named after the policy alone (same digest) keeps its name, so
+        that run resumes."""
         digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
         task = run_label(self.task) if is_data_task(self.task) else self.task.split(":")[-1]
-        return f"{task}-{self.policy}-{self.budget}-{digest}"
+        label = policy_label(self.policy, self.granularity)
+        run_id = f"{task}-{label}-{self.budget}-{digest}"
+        earlier = f"{task}-{self.policy}-{self.budget}-{digest}"
+        if earlier != run_id and (Path(self.out) / earlier).is_dir() and not (Path(self.out) / run_id).exists():
+            return earlier
+        return run_id
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def fields_where(**role) -> tuple[str, ...]:
+    """Names of the RunConfig fields in a group (`setting`): `fields_where(baseline=True)`."""
+    return tuple(f.name for f in fields(RunConfig) if all(f.metadata[k] == v for k, v in role.items()))
+
+
+def baseline_for(config: dict, stored: list[tuple[dict, dict]]) -> dict | None:
+    """The metrics of the full-cache baseline of a run with `config` (`RunConfig.to_dict()`) among `stored`
+    runs ((config, metrics) pairs, in run id order): a full run with the same `baseline` fields (and, for
+    perplexity, the same chunk: it scores what follows the first), the one that ran most like this run
+    (the most `variant` fields equal; the first of equals); None if there is none."""
+    keys = fields_where(baseline=True) + (("chunk_size",) if config.get("task") == Perplexity.name else ())
+    fulls = [(other, metrics) for other, metrics in stored
+             if other.get("policy") == "full" and all(other.get(k) == config.get(k) for k in keys)]
+    variant = fields_where(report="variant")
+    return max(fulls, key=lambda run: sum(run[0].get(k) == config.get(k) for k in variant))[1] if fulls else None
 
 
 def choice(name: str, value, allowed, optional: bool = False) -> None:

@@ -25,20 +25,17 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from evalkit.config import RunConfig
+from evalkit.config import RunConfig, baseline_for, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_cells, score_rolling,
                           share_prefill, statistic_key)
 from evalkit.models import load_model, max_positions
-from evalkit.policies import make_policy
 from evalkit.prompt import encode, prompt_length
 from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
 
-_BASELINE_KEYS = ("task", "task_args", "length", "samples", "model", "seed", "temperature", "dtype",
-                  "data_format", "metric", "offset", "data_sha256")
 _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
 
 
@@ -102,18 +99,13 @@ def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mod
             for config in configs]
 
 
-# Settings that only act after a full prefill: runs differing in nothing else share it.
-_AFTER_PREFILL = ("policy", "budget", "granularity", "policy_args", "layout", "block_size", "pool_pages",
-                  "decode_eviction", "temperature", "out", "wandb")
-
-
 def prefill_key(config: RunConfig) -> tuple | None:
     """What a run's prefill depends on, or None when it cannot be shared (chunked prefill streams
     through the policy's cache; perplexity is scored in chunks)."""
     if config.prefill != "full" or config.task == Perplexity.name:
         return None
     fields = config.to_dict()
-    return tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in _AFTER_PREFILL))
+    return tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in fields_where(after_prefill=True)))
 
 
 def _wandb_mode(config: RunConfig, decided: str | None, mirror: Mirror | None, say: Callable[[str], None]) -> str:
@@ -177,7 +169,7 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
             plan = _generation_plan(task, first, model, tokenizer)
     cells = []
     for config, run_dir in pending:
-        settings = _settings(config)
+        settings = config.generation_settings()
         cells.append(_Cell(config, run_dir, settings, _provenance(config, settings.policy, model),
                            run_dir.predictions()))
 
@@ -224,15 +216,6 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
             for line in trouble:
                 say(f"warning: {line}")
     return resumed_from
-
-
-def _settings(config: RunConfig) -> GenerationSettings:
-    return GenerationSettings(
-        policy=make_policy(config.policy, config.granularity, config.policy_args), budget=config.budget,
-        layout=config.layout, block_size=config.block_size, prefill=config.prefill, chunk_size=config.chunk_size,
-        query_aware=config.query_aware, decode_eviction=config.decode_eviction, temperature=config.temperature,
-        seed=config.seed, pool_pages=config.pool_pages, kernels=config.kernels,
-    )
 
 
 def one_line(console: Console) -> Callable[[str], None]:
@@ -383,12 +366,7 @@ def _provenance(config: RunConfig, policy, model) -> dict:
 
 
 def find_baseline(config: RunConfig, stored_runs: list[tuple[dict, dict]] | None = None) -> dict | None:
-    """The metrics of the stored full-cache run on this run's samples; `stored_runs`: `complete_runs(config.out)`
-    when the caller has read it already."""
-    # Perplexity scores the tokens after the first chunk: only runs with the same chunk compare.
-    keys = _BASELINE_KEYS + (("chunk_size",) if config.task == Perplexity.name else ())
-    for stored, metrics in complete_runs(config.out) if stored_runs is None else stored_runs:
-        other = stored.get("config", {})
-        if other.get("policy") == "full" and all(other.get(k) == getattr(config, k) for k in keys):
-            return metrics
-    return None
+    """The metrics of the stored full-cache run on this run's samples (`config.baseline_for`); `stored_runs`:
+    `complete_runs(config.out)` when the caller has read it already."""
+    stored = complete_runs(config.out) if stored_runs is None else stored_runs
+    return baseline_for(config.to_dict(), [(provenance.get("config", {}), metrics) for provenance, metrics in stored])

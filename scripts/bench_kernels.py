@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from evalkit.kernels.attention_stats import attention_stats, attention_stats_reference  # noqa: E402
 from evalkit.kernels.paged_attention import paged_attention, paged_attention_reference  # noqa: E402
+from evalkit.policies.budget import tokens_of  # noqa: E402
 
 H_Q, H_KV, D, S = 32, 8, 128, 16
 
@@ -87,7 +88,7 @@ def bench_decode(device, batch, contexts, budgets, dtype, launches):
         v_full = torch.randn_like(k_full)
         sdpa_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k_full, v_full, enable_gqa=True))
         for budget in budgets:
-            kept = max(S, int(context * budget))
+            kept = max(S, tokens_of(budget, context))  # at least one page
             k, v, slot_pos, table, head_tokens = paged_cache(batch, kept, context, dtype, device)
             scale = D ** -0.5
             ms = do_bench(lambda: paged_attention(q, q_pos, k, v, slot_pos, table, head_tokens, S, scale,

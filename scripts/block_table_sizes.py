@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from evalkit.policies.budget import tokens_of
+
 SHAPES = {  # name: (layers, KV heads, head dim); bf16
     "Llama-3.1-8B": (32, 8, 128),
     "Llama-3.1-70B": (80, 8, 128),
@@ -22,7 +24,7 @@ KV_BYTES = 2  # bf16
 def rows(lengths: list[int], budget: float, block: int):
     for name, (layers, heads, dim) in SHAPES.items():
         for n in lengths:
-            kept = math.ceil(budget * n)
+            kept = tokens_of(budget, n)
             shared_full = math.ceil(n / block)
             shared_evicted = math.ceil(kept / block)  # page granularity: the same pages for every head
             per_head = layers * heads * math.ceil(kept / block)

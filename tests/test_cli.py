@@ -44,6 +44,7 @@ def evalkit(monkeypatch, capsys, *args):
     (["--task-arg", "depths=0,50"], "task ruler:niah_single_2 takes no --task-arg settings, got depths"),
     (["--policy", "quest", "--granularity", "head_page"], "quest cannot run at granularity head_page: Quest"),
     (["--policy", "adakv", "--granularity", "head_page"], "adakv_snapkv cannot run at granularity head_page"),
+    (["--policy", "h2o_token", "--granularity", "head"], "--granularity head contradicts it: use --policy h2o_head"),
     (["--policy", "h2o_head_page", "--budget", "12"], "at granularity head_page the smallest budget is 16 tokens"),
     (["--policy", "h2o_page", "--budget", "0.005"], "at granularity page the smallest budget is 16 tokens"),
     (["--policy", "snapkv", "--policy-arg", "kernel=4"], "kernel an odd number"),

@@ -206,3 +206,20 @@ def test_stop_strings_end_generation_and_are_cut_from_the_text(default_model):
     assert stopped.text == free.text[: free.text.index(",")]
     assert len(stopped.token_ids) < len(free.token_ids)
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+
+
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+@pytest.mark.parametrize("decode_eviction", [True, False])
+def test_a_batch_whose_answers_differ_in_length_fits_its_cache(layout, decode_eviction):
+    # A long prompt with a short answer and a short prompt with a long one: the first keeps being fed
+    # until the second is done, so the cache must hold its prompt plus the batch's longest answer.
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None  # no EOS: each answer runs to its max new tokens
+    long, short = prompts((100, 10))
+    requests = [Request(long, [], 2), Request(short, [], 50)]
+    settings = GenerationSettings(make_policy("full"), layout=layout, decode_eviction=decode_eviction)
+    with torch.no_grad():
+        reference = [model.generate(torch.tensor([r.context_ids]), max_new_tokens=r.max_new_tokens, do_sample=False,
+                                    pad_token_id=0)[0, len(r.context_ids):].tolist() for r in requests]
+    gens = generate(model, None, requests, settings)
+    assert [g.token_ids for g in gens] == reference

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.report.page import budget_fraction, build_report, quality_auc
+from evalkit.policies import fraction_of
+from evalkit.report.page import build_report, quality_auc
 from test_sweep import BUDGETS, POLICIES, evalkit, run_folders, swept  # noqa: F401 (swept is a fixture)
 
 
@@ -25,9 +26,9 @@ def test_auc_is_the_mean_score_over_the_budget_range():
     assert quality_auc([(0.5, 0.8)], 0.25, 1.0) is None  # not run at the setting's lowest budget
     assert quality_auc([(0.25, 0.8)], 0.25, None) is None  # no point at budget 1 and no full cache
     assert quality_auc([], 1.0, 0.9) == pytest.approx(0.9)
-    assert budget_fraction(0.2, {}) == 0.2
-    assert budget_fraction(100, {"prompt_tokens": 400.0}) == 0.25
-    assert budget_fraction(1000, {"prompt_tokens": 400.0}) == 1.0
+    assert fraction_of(0.2, None) == 0.2
+    assert fraction_of(100, 400.0) == 0.25
+    assert fraction_of(1000, 400.0) == 1.0
 
 
 # ---- the sweep's report -------------------------------------------------------------------------------------

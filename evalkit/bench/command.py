@@ -102,7 +102,8 @@ def _validate(settings, policies: str, budgets: str, lengths: str, layouts: str,
               policy_args: dict[str, str] | None = None, granularities: str = "") -> dict:
     """Everything checked before any measurement: one line and exit 2 on bad input."""
     from evalkit.cache import LAYOUTS
-    from evalkit.config import DTYPES, SEED_LIMIT, parse_budget
+    from evalkit.config import DTYPES, SEED_LIMIT
+    from evalkit.policies import parse_budget
     from evalkit.errors import EvalkitError
     from evalkit.policies import POLICIES, make_policy
 

@@ -140,9 +140,7 @@ def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: C
 
     requests = [Request(p.context_ids, p.question_ids, settings.new_tokens) for p in prompts]
     policy = make_policy(cell.policy, cell.granularity, settings.policy_args if cell.policy != FULL else None)
-    gen_settings = GenerationSettings(policy, budget=cell.budget, layout=cell.layout,
-                                      block_size=settings.block_size, seed=settings.seed,
-                                      decode_eviction=settings.decode_eviction)
+    gen_settings = GenerationSettings.from_options(settings, policy, budget=cell.budget, layout=cell.layout)
     start = clock.mark()
     generations = generate(model, None, requests, gen_settings, observe=observe)
     stop = clock.mark()

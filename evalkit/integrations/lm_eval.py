@@ -149,11 +149,7 @@ class EvalkitLM(TemplateLM):
                               "predictions": list(self.records)}}
 
     def settings(self, temperature: float = 0.0) -> GenerationSettings:
-        c = self.options
-        return GenerationSettings(policy=self.policy, budget=c.budget, layout=c.layout, block_size=c.block_size,
-                                  prefill=c.prefill, chunk_size=c.chunk_size, query_aware=c.query_aware,
-                                  decode_eviction=c.decode_eviction, temperature=temperature, seed=c.seed,
-                                  pool_pages=c.pool_pages, kernels=c.kernels)
+        return GenerationSettings.from_options(self.options, self.policy, temperature=temperature)
 
     def _question_tokens(self, context: str, context_tokens: int) -> int:
         """Query-agnostic: how many trailing context tokens are the question (never compressed).

@@ -144,7 +144,8 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
         raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
     budgets = budgets_for(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
-    max_new = torch.tensor([r.max_new_tokens for r in requests])
+    # Every sequence is fed until the last one finishes (`Decoding.next_tokens`): the batch's longest answer.
+    max_new = max(r.max_new_tokens for r in requests)
     begun = time.perf_counter()
     decode_evicts = budgets.any_evicting and settings.decode_eviction
     decode_collect = policy.collect_decode if decode_evicts else None

@@ -5,7 +5,7 @@ Every forward passes true `position_ids`, so eviction never shifts a token's pos
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
@@ -31,6 +31,13 @@ class GenerationSettings:
     seed: int = 0
     pool_pages: int | None = None  # per layer; default: what the batch needs at its peak
     kernels: str = "auto"  # attention: "auto" (Triton on CUDA), "triton" or "torch"
+
+    @classmethod
+    def from_options(cls, options, policy: Policy, **overrides) -> GenerationSettings:
+        """The settings `options` has under these fields' names (a RunConfig, lm-eval's model arguments, a
+        bench's settings), `overrides` on top: the one mapping from a tool's options to the loop's."""
+        taken = {f.name: getattr(options, f.name) for f in fields(cls) if f.name != "policy" and hasattr(options, f.name)}
+        return cls(policy=policy, **{**taken, **overrides})
 
 
 @dataclass

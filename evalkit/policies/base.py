@@ -110,6 +110,9 @@ class Policy:
 
 
 POLICIES: Registry[Policy] = Registry("policy")
+# Preset name -> (family base, granularity) and back, for the names of what runs (`policy_label`).
+_PRESETS: dict[str, tuple[str, Granularity]] = {}
+_PRESET_NAMES: dict[tuple[str, Granularity], str] = {}
 
 
 def register_presets(cls: type[Policy], base: str, default: Granularity = Granularity.HEAD,
@@ -118,6 +121,7 @@ def register_presets(cls: type[Policy], base: str, default: Granularity = Granul
     aliases = {default: (base,), **(aliases or {})}
     for granularity in GRANULARITIES:
         name = f"{base}_{granularity}"
+        _PRESETS[name], _PRESET_NAMES[base, granularity] = (base, granularity), name
         POLICIES.register(
             name,
             lambda g=granularity, n=name: cls(granularity=g, name=n, **fields),
@@ -139,6 +143,28 @@ def make_policy(name: str, granularity: str | None = None, args: dict[str, str] 
         policy = dataclasses.replace(policy, **_parse_args(policy, args))
     policy.check()
     return policy
+
+
+def policy_label(name: str, granularity: str | None) -> str:
+    """The name of what runs when policy `name` runs at `granularity` (None: its own): the preset of its
+    family at that granularity (`h2o_token` at head: `h2o_head`), or `name@granularity` for a policy that
+    has no presets (`random@head_page`)."""
+    name = POLICIES.canonical(name)
+    if granularity is None or granularity == POLICIES.create(name).granularity:
+        return name
+    if name in _PRESETS:
+        return _PRESET_NAMES[_PRESETS[name][0], Granularity(granularity)]
+    return f"{name}@{granularity}"
+
+
+def refuse_contradiction(name: str, granularity: str | None) -> None:
+    """One line when `granularity` contradicts the granularity that preset `name` says (`h2o_token` at head)."""
+    canonical = POLICIES.canonical(name)
+    if canonical in _PRESETS and granularity is not None and granularity in GRANULARITIES:
+        label = policy_label(canonical, granularity)
+        if label != canonical:
+            raise EvalkitError(f"{name} runs at granularity {_PRESETS[canonical][1]}; --granularity {granularity} "
+                               f"contradicts it: use --policy {label}")
 
 
 def policy_args(policy: Policy) -> dict[str, type]:

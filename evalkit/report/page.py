@@ -27,11 +27,11 @@ from pathlib import Path
 
 import typer
 
-# Config fields that cannot change a result, and those that say how a policy was run (a series).
-_IGNORED = ("out", "wandb", "batch_size", "device", "kernels")
-_VARIANT = ("granularity", "policy_args", "layout", "block_size", "prefill", "chunk_size", "query_aware",
-            "decode_eviction", "pool_pages")
-_CURVE = ("policy", "budget")
+from evalkit.config import baseline_for, fields_where
+from evalkit.errors import EvalkitError
+from evalkit.policies import fraction_of
+from evalkit.policies.base import policy_label
+
 _PREDICTIONS_SHOWN = 20
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
@@ -61,13 +61,6 @@ def report(
 
 
 # ---- numbers ----------------------------------------------------------------------------------------------
-
-def budget_fraction(budget: float | int, metrics: dict) -> float:
-    """The budget as a fraction of the prompt: a fraction as is, a token count over the mean prompt."""
-    if budget <= 1:
-        return float(budget)
-    return min(1.0, budget / max(1.0, metrics.get("prompt_tokens") or 1.0))
-
 
 def quality_auc(points: list[tuple[float, float]], start: float, full_score: float | None) -> float | None:
     """Normalised area under (budget fraction, score) over [start, 1]; see the module docstring."""
@@ -104,7 +97,7 @@ class Entry:
 
     @property
     def x(self) -> float:
-        return budget_fraction(self.config["budget"], self.metrics)
+        return fraction_of(self.config["budget"], self.metrics.get("prompt_tokens"))
 
     def relative(self, value: float | None) -> float | None:
         base = self.baseline["score"] if self.baseline else None
@@ -162,14 +155,18 @@ def _key(config: dict, names) -> str:
 
 
 def _place(entries: list[Entry]) -> None:
-    """Setting and series labels, full-cache references and AUCs."""
-    every = sorted({k for e in entries for k in e.config} - set(_IGNORED) - set(_VARIANT) - set(_CURVE))
+    """Setting and series labels, full-cache references and AUCs. Config fields are read by their report
+    role (`config.setting`): those that say how a policy ran make a series; the granularity run is in
+    the policy's label (`policy_label`)."""
+    variants = fields_where(report="variant")
+    every = sorted({k for e in entries for k in e.config} - set(fields_where(report="ignored")) - set(variants)
+                   - set(fields_where(report="curve")))
     setting_keys = [k for k in every if k not in ("task", "length")]
     def varies(key):
         return len({json.dumps(e.config.get(key), default=str) for e in entries}) > 1
 
     varying_setting = [k for k in setting_keys if varies(k)]
-    varying_variant = [k for k in _VARIANT if varies(k)]
+    varying_variant = [k for k in variants if k != "granularity" and varies(k)]
 
     def label(config, keys):
         return ", ".join(f"{k}={_text(config.get(k))}" for k in keys)
@@ -178,17 +175,15 @@ def _place(entries: list[Entry]) -> None:
         extra = label(e.config, varying_setting)
         e.setting = f"{e.config.get('task')} @ {e.config.get('length')}" + (f" ({extra})" if extra else "")
         variant = label(e.config, varying_variant)
-        e.series = str(e.config["policy"]) + (f" ({variant})" if variant else "")
+        e.series = _label(e.config) + (f" ({variant})" if variant else "")
 
     by_setting: dict[str, list[Entry]] = {}
     for e in entries:
         by_setting.setdefault(_key(e.config, ["task", "length", *setting_keys]), []).append(e)
     for group in by_setting.values():
-        fulls = sorted((e for e in group if e.is_full), key=lambda e: e.run_id)
+        fulls = [(e.config, e.metrics) for e in sorted(group, key=lambda e: e.run_id) if e.is_full]
         for e in group:
-            if fulls:  # the full run that ran most like this one
-                best = max(fulls, key=lambda f: sum(f.config.get(k) == e.config.get(k) for k in _VARIANT))
-                e.baseline = best.metrics
+            e.baseline = baseline_for(e.config, fulls)
         policies = [e for e in group if not e.is_full]
         start = min((e.x for e in policies), default=1.0)
         for series in {e.series for e in policies}:
@@ -200,6 +195,14 @@ def _place(entries: list[Entry]) -> None:
         for e in group:
             if e.is_full:
                 e.auc = e.metrics["score"]  # the reference's curve is flat at its own score
+
+
+def _label(config: dict) -> str:
+    """The policy that ran, granularity included (a run folder of any evalkit version)."""
+    try:
+        return policy_label(config["policy"], config.get("granularity"))
+    except EvalkitError:  # a policy this evalkit does not know: its name as stored
+        return str(config["policy"])
 
 
 def _text(value) -> str:
@@ -384,13 +387,13 @@ def _lines(group: list[Entry], needs: tuple[str, ...] = ()) -> dict[str, list[En
 def _block_size_lines(group: list[Entry]) -> dict[str, list[Entry]]:
     """Runs that differ only in block size (same policy, budget and other ways of running), by block size:
     one line each where at least two block sizes were run."""
-    others = [k for k in _VARIANT if k != "block_size"
+    others = [k for k in fields_where(report="variant") if k not in ("block_size", "granularity")
               and len({json.dumps(e.config.get(k), default=str) for e in group}) > 1]
     lines: dict[str, list[Entry]] = {}
     for e in sorted(group, key=lambda e: e.config.get("block_size") or 0):
         if not e.is_full and _is_number(e.config.get("block_size")):
             varied = ", ".join(f"{k}={_text(e.config.get(k))}" for k in others)
-            label = f"{e.config['policy']} @ {e.config['budget']}" + (f" ({varied})" if varied else "")
+            label = f"{_label(e.config)} @ {e.config['budget']}" + (f" ({varied})" if varied else "")
             lines.setdefault(label, []).append(e)
     return {label: members for label, members in lines.items()
             if len({e.config["block_size"] for e in members}) > 1}

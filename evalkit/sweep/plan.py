@@ -138,7 +138,8 @@ def _split(value, flag: str) -> list[str]:
 
 def make_plan(settings: dict) -> Plan:
     """Every cell, validated, before anything runs: bad input never leaves a half-run grid."""
-    from evalkit.config import RunConfig, parse_budget, parse_policy_args, parse_task_args
+    from evalkit.config import RunConfig, parse_policy_args, parse_task_args
+    from evalkit.policies import parse_budget
     from evalkit.errors import EvalkitError
     from evalkit.models import model_source
     from evalkit.tasks.custom import is_data_task
@@ -238,23 +239,23 @@ def cell_summary(cell: Cell) -> dict:
 
 def sweep_rows(plan: Plan) -> list[dict]:
     """One row per complete non-baseline cell: its numbers and its score relative to the full cache."""
-    from evalkit.report.page import budget_fraction
+    from evalkit.config import baseline_for
+    from evalkit.policies import fraction_of
     from evalkit.results import RunDir
 
-    baselines = {}
-    for cell in plan.cells:
-        if cell.baseline and RunDir(plan.out, cell.run_id).complete:
-            baselines[(cell.config.task, cell.config.length)] = RunDir(plan.out, cell.run_id).metrics()
+    baselines = [(cell.config.to_dict(), RunDir(plan.out, cell.run_id).metrics())
+                 for cell in sorted(plan.cells, key=lambda cell: cell.run_id)
+                 if cell.baseline and RunDir(plan.out, cell.run_id).complete]
     rows = []
     for cell in plan.cells:
         run_dir = RunDir(plan.out, cell.run_id)
         if cell.baseline or not run_dir.complete:
             continue
         m, c = run_dir.metrics(), cell.config
-        base = baselines.get((c.task, c.length))
+        base = baseline_for(c.to_dict(), baselines)
         rows.append({
             "run_id": cell.run_id, "task": c.task, "length": c.length, "policy": c.policy, "budget": c.budget,
-            "budget_fraction": budget_fraction(c.budget, m), "score": m["score"],
+            "budget_fraction": fraction_of(c.budget, m.get("prompt_tokens")), "score": m["score"],
             "full_cache_score": base["score"] if base else None,
             "relative_score": m["score"] / base["score"] if base and base["score"] else None,
             "held_over_full": m["held_over_full"], "bytes_held": m["bytes_held"], "kept_tokens": m["kept_tokens"],
