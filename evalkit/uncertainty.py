@@ -1,0 +1,215 @@
+"""How sure a score is, and whether two runs on the same samples differ. The mathematics is scipy's; this
+module decides which method fits which scores (docs/statistics.md).
+
+- Every per-sample score 0 or 1 (a needle found or not): the run's score has a Wilson score interval
+  (`scipy.stats.binomtest(...).proportion_ci(method="wilson")`), and two runs are compared with the exact
+  McNemar test: a two-sided binomial test at 1/2 on the samples where exactly one of them passed.
+- Any other score (F1, ROUGE, a share of needles, perplexity): a percentile bootstrap over samples
+  (`scipy.stats.bootstrap`, `RESAMPLES` resamples, seed `SEED`) of the run's own aggregate (the mean; the
+  mean of its tasks' means, resampled within each task; perplexity over all scored tokens), and two runs
+  are compared with a paired bootstrap: the same resampled samples for both, p-value from the resampled
+  differences centred on zero.
+The difference of two runs always carries a paired bootstrap interval.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from scipy import stats
+
+from evalkit.errors import EvalkitError
+
+CONFIDENCE = 0.95
+RESAMPLES = 10_000
+SEED = 0
+ALPHA = 0.05  # of the paired tests, and of `samples_needed`
+POWER = 0.8  # of `samples_needed`
+# Without an observed disagreement rate, two runs are assumed to disagree on half the samples (what two
+# independent runs scoring near 50 % do): more samples than paired runs usually need.
+DEFAULT_DISCORDANCE = 0.5
+DEFAULT_DIFFERENCE_SD = 0.5  # the same for continuous scores in [0, 1]
+
+
+@dataclass
+class Interval:
+    n: int
+    ci_low: float | None  # None: a bootstrap of fewer than two samples says nothing
+    ci_high: float | None
+    ci_method: str  # "wilson" or "bootstrap"
+    ci_level: float = CONFIDENCE
+    ci_resamples: int | None = None  # bootstrap only, as its seed
+    ci_seed: int | None = None
+
+    def as_metrics(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Comparison:
+    n: int
+    metric: str  # "binary" or "continuous"
+    difference: float  # score of A minus score of B, in score units (a fraction for binary scores)
+    ci_low: float
+    ci_high: float
+    p_value: float
+    test: str  # "exact McNemar" or "paired bootstrap"
+    only_a: int  # samples where A scored higher than B (binary: passed where B failed)
+    only_b: int
+    needed: int | None  # samples to detect `detect` at the observed disagreement, ALPHA and POWER
+    detect: float
+    higher_is_better: bool = True
+
+    @property
+    def significant(self) -> bool:
+        return self.p_value < ALPHA
+
+    def verdict(self, a: str = "A", b: str = "B") -> str:
+        if self.significant:
+            a_wins = (self.difference > 0) == self.higher_is_better
+            return f"{a if a_wins else b} better, p = {self.p_value:.3g}"
+        need = f"; would need ≈ {self.needed} samples" if self.needed else ""
+        return (f"no difference detected at n = {self.n} (p = {self.p_value:.3g}){need} to detect a "
+                f"{self.detect * 100:g}-point difference")
+
+
+def is_binary(records: list[dict]) -> bool:
+    return all(r["score"] in (0, 1) for r in records)
+
+
+def score_interval(records: list[dict]) -> Interval:
+    """The 95 % interval of the score `runner.aggregate` gives these records."""
+    if not records:
+        raise EvalkitError("no samples: a score needs at least one")
+    n = len(records)
+    if is_binary(records) and not _tasks(records) and not _is_perplexity(records):
+        low, high = stats.binomtest(sum(int(r["score"]) for r in records), n).proportion_ci(CONFIDENCE, "wilson")
+        return Interval(n, float(low), float(high), "wilson")
+    result = _bootstrap(records, records, paired=False)
+    low, high = result.confidence_interval if result is not None else (None, None)
+    return Interval(n, _float(low), _float(high), "bootstrap", ci_resamples=RESAMPLES, ci_seed=SEED)
+
+
+def compare(a: list[dict], b: list[dict], detect: float = 0.10) -> Comparison:
+    """Paired comparison of two runs' records on the same samples (matched by id)."""
+    by_id = {r["id"]: r for r in b}
+    if not a or {r["id"] for r in a} != set(by_id):
+        only = len({r["id"] for r in a} ^ set(by_id))
+        raise EvalkitError(f"the runs hold different samples ({len(a)} and {len(b)}, {only} not in both): "
+                           "a paired comparison needs the same samples")
+    b = [by_id[r["id"]] for r in a]
+    if _is_perplexity(a) != _is_perplexity(b):
+        raise EvalkitError("one run scores perplexity and the other does not: they cannot be compared")
+    result = _bootstrap(a, b, paired=True)
+    if result is None:
+        raise EvalkitError(f"{len(a)} sample{'s' if len(a) > 1 else ''}: a paired comparison needs at least two")
+    low, high = result.confidence_interval
+    difference = _score(a) - _score(b)
+    scores_a, scores_b = _per_sample(a), _per_sample(b)
+    only_a, only_b = int((scores_a > scores_b).sum()), int((scores_a < scores_b).sum())
+    higher_is_better = not _is_perplexity(a)
+    if not higher_is_better:
+        only_a, only_b = only_b, only_a
+    if is_binary(a) and is_binary(b) and not _tasks(a):
+        p = 1.0 if only_a + only_b == 0 else float(stats.binomtest(only_a, only_a + only_b).pvalue)
+        needed = samples_needed(detect, (only_a + only_b) / len(a) or None)
+        return Comparison(len(a), "binary", difference, float(low), float(high), p, "exact McNemar", only_a,
+                          only_b, needed, detect, higher_is_better)
+    centred = result.bootstrap_distribution - result.bootstrap_distribution.mean()
+    p = float(((np.abs(centred) >= abs(difference)).sum() + 1) / (RESAMPLES + 1))
+    sd = float(np.std(scores_a - scores_b, ddof=1)) if len(a) > 1 else None
+    needed = None if not higher_is_better else samples_needed(detect, difference_sd=sd or None)
+    return Comparison(len(a), "continuous", difference, float(low), float(high), p, "paired bootstrap", only_a,
+                      only_b, needed, detect, higher_is_better)
+
+
+def samples_needed(detect: float, discordance: float | None = None, difference_sd: float | None = None) -> int:
+    """Samples a paired comparison needs to detect a difference of `detect` (a fraction of the score range)
+    with the power POWER at the level ALPHA: for pass/fail scores, the exact McNemar test's own power at the
+    disagreement rate `discordance` (DEFAULT_DISCORDANCE when unknown, or below `detect`); otherwise the
+    normal approximation with the per-sample differences' standard deviation `difference_sd`."""
+    if not 0 < detect < 1:
+        raise EvalkitError(f"the difference to detect must be in (0, 100) points, got {detect * 100:g}")
+    if difference_sd is not None:
+        z = stats.norm.ppf(1 - ALPHA / 2) + stats.norm.ppf(POWER)
+        return int(np.ceil((z * difference_sd / detect) ** 2))
+    discordance = max(discordance or DEFAULT_DISCORDANCE, detect)
+    toward_a = (discordance + detect) / (2 * discordance)  # of the disagreements, the share A wins
+    n = 1
+    while _mcnemar_power(n, discordance, toward_a) < POWER:
+        n = n + max(1, n // 64)
+    return n
+
+
+def _mcnemar_power(n: int, discordance: float, toward_a: float) -> float:
+    disagreements = np.arange(n + 1)
+    # The largest count c with a two-sided exact p-value 2 * P(X <= c | m, 1/2) <= ALPHA; -1 where none.
+    critical = stats.binom.ppf(ALPHA / 2, disagreements, 0.5).astype(int)
+    critical = np.where(2 * stats.binom.cdf(critical, disagreements, 0.5) <= ALPHA, critical, critical - 1)
+    reject = stats.binom.cdf(critical, disagreements, toward_a) + \
+        stats.binom.sf(disagreements - critical - 1, disagreements, toward_a)
+    reject = np.where(critical >= 0, reject, 0.0)
+    return float((stats.binom.pmf(disagreements, n, discordance) * reject).sum())
+
+
+def _float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _tasks(records: list[dict]) -> list[str]:
+    """The tasks of a group task's samples (meta["task"]), in order; empty for a single task."""
+    return sorted({r["meta"]["task"] for r in records if "task" in r.get("meta", {})})
+
+
+def _is_perplexity(records: list[dict]) -> bool:
+    return all("nll" in r and "scored_tokens" in r for r in records)
+
+
+def _per_sample(records: list[dict]) -> np.ndarray:
+    return np.array([float(r["score"]) for r in records])
+
+
+def _score(records: list[dict]) -> float:
+    """The score `runner.aggregate` (perplexity: `perplexity_metrics`) gives these records."""
+    if _is_perplexity(records):
+        return float(np.exp(sum(r["nll"] for r in records) / sum(r["scored_tokens"] for r in records)))
+    by_task = _by_task(_per_sample(records), records)
+    return float(np.mean([scores.mean() for scores in by_task]))
+
+
+def _by_task(values: np.ndarray, records: list[dict]) -> list[np.ndarray]:
+    """`values` [n] split by the task of each sample (one part for a single task)."""
+    tasks = _tasks(records)
+    if not tasks:
+        return [values]
+    of = np.array([r["meta"]["task"] for r in records])
+    return [values[of == task] for task in tasks]
+
+
+def _bootstrap(a: list[dict], b: list[dict], paired: bool):
+    """scipy's percentile bootstrap, by sample, of score(a), or (paired) of score(a) - score(b) on the same
+    resampled samples. A group task's score is the mean of its tasks' means: its samples are resampled
+    within each task (scipy resamples independent samples independently), and since that score is linear,
+    a paired difference is the same mean over the per-sample differences."""
+    if len(a) < 2:
+        return None
+    method = dict(n_resamples=RESAMPLES, method="percentile", confidence_level=CONFIDENCE,
+                  rng=np.random.default_rng(SEED), vectorized=True)
+    if _is_perplexity(a):
+        columns = [np.array([r[key] for r in run], dtype=float) for run in ((a, b) if paired else (a,))
+                   for key in ("nll", "scored_tokens")]
+
+        def perplexity(*columns, axis=-1):
+            values = [np.exp(nll.sum(axis) / tokens.sum(axis)) for nll, tokens in zip(columns[::2], columns[1::2])]
+            return values[0] - values[1] if paired else values[0]
+
+        return stats.bootstrap(columns, perplexity, paired=True, **method)
+    values = _per_sample(a) - _per_sample(b) if paired else _per_sample(a)
+    parts = _by_task(values, a)
+    fixed = [float(part[0]) for part in parts if len(part) == 1]  # a task of one sample: nothing to resample
+    parts = [part for part in parts if len(part) > 1]
+    if not parts:
+        return None
+    return stats.bootstrap(parts, lambda *parts, axis=-1: np.mean(np.broadcast_arrays(*[p.mean(axis) for p in parts],
+                                                                                   *fixed), axis=0), **method)

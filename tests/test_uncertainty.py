@@ -1,0 +1,133 @@
+"""Intervals and paired tests (`evalkit.uncertainty`) against statsmodels' and scipy's own values."""
+
+import numpy as np
+import pytest
+from scipy import stats
+from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.proportion import proportion_confint
+from statsmodels.stats.weightstats import DescrStatsW
+
+from evalkit.errors import EvalkitError
+from evalkit.runner import aggregate
+from evalkit.tasks.ppl import perplexity_metrics
+from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _score, compare, samples_needed,
+                                 score_interval)
+
+
+def binary(scores, task=None):
+    return [{"id": f"s{i}", "score": float(s), **({"meta": {"task": task[i]}} if task else {})}
+            for i, s in enumerate(scores)]
+
+
+@pytest.mark.parametrize("passed, n", [(0, 20), (20, 20), (3, 20), (1, 1), (0, 1), (57, 100), (1, 1000)])
+def test_binary_scores_get_the_wilson_interval(passed, n):
+    interval = score_interval(binary([1] * passed + [0] * (n - passed)))
+    low, high = proportion_confint(passed, n, alpha=0.05, method="wilson")
+    assert interval.ci_method == "wilson" and interval.n == n
+    assert interval.ci_low == pytest.approx(low, abs=1e-12) and interval.ci_high == pytest.approx(high, abs=1e-12)
+    assert interval.ci_low <= passed / n <= interval.ci_high
+
+
+def test_other_scores_get_scipys_percentile_bootstrap_near_the_t_interval():
+    scores = np.random.default_rng(1).uniform(0, 1, 400).round(3)
+    interval = score_interval(binary(scores))
+    own = stats.bootstrap((scores,), np.mean, n_resamples=RESAMPLES, method="percentile",
+                          rng=np.random.default_rng(SEED)).confidence_interval
+    assert (interval.ci_low, interval.ci_high) == (own.low, own.high)
+    assert (interval.ci_method, interval.ci_resamples, interval.ci_seed) == ("bootstrap", RESAMPLES, SEED)
+    low, high = DescrStatsW(scores).tconfint_mean(0.05)
+    assert interval.ci_low == pytest.approx(low, abs=0.005) and interval.ci_high == pytest.approx(high, abs=0.005)
+
+
+def test_one_sample_of_a_continuous_score_has_no_interval_and_none_has_no_score():
+    interval = score_interval(binary([0.5]))
+    assert interval.n == 1 and interval.ci_low is None and interval.ci_high is None
+    with pytest.raises(EvalkitError, match="no samples"):
+        score_interval([])
+
+
+def test_the_bootstrap_resamples_the_score_the_run_reports():
+    group = binary([1, 0, 1, 1, 0, 0.5, 1, 0, 1], task=list("aabbbcccc"))
+    assert _score(group) == pytest.approx(aggregate(fill(group))["score"])
+    interval = score_interval(group)
+    assert interval.ci_method == "bootstrap" and interval.ci_low < _score(group) < interval.ci_high
+    passages = [{"id": i, "score": 0.0, "nll": 30.0 + 5 * i, "scored_tokens": 10 + i, "buckets": [],
+                 "meta": {"text": "t"}} for i in range(6)]
+    assert _score(passages) == pytest.approx(perplexity_metrics(passages)["score"])
+    interval = score_interval(passages)
+    assert interval.ci_low < _score(passages) < interval.ci_high
+
+
+def fill(records):
+    numbers = ("kept_tokens", "prompt_tokens", "bytes_held", "bytes_ideal", "bytes_full", "attended_fraction",
+               "prefill_seconds", "decode_seconds", "new_tokens")
+    return [{**{k: 1.0 for k in numbers}, **r} for r in records]
+
+
+@pytest.mark.parametrize("only_a, only_b, both, neither", [(6, 1, 10, 3), (0, 0, 5, 5), (9, 0, 0, 11), (3, 4, 6, 7)])
+def test_binary_runs_are_compared_with_the_exact_mcnemar_test(only_a, only_b, both, neither):
+    a = [1] * only_a + [0] * only_b + [1] * both + [0] * neither
+    b = [0] * only_a + [1] * only_b + [1] * both + [0] * neither
+    result = compare(binary(a), binary(b))
+    expected = mcnemar([[both, only_a], [only_b, neither]], exact=True).pvalue
+    assert result.p_value == pytest.approx(expected, abs=1e-12)
+    if only_a + only_b:
+        assert result.p_value == pytest.approx(stats.binomtest(only_a, only_a + only_b).pvalue)
+    assert (result.only_a, result.only_b, result.test) == (only_a, only_b, "exact McNemar")
+    assert result.difference == pytest.approx((only_a - only_b) / len(a))
+    assert result.ci_low <= result.difference <= result.ci_high
+
+
+def test_continuous_runs_are_compared_with_a_paired_bootstrap():
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0, 1, 60)
+    same = compare(binary(base), binary(base))
+    assert same.p_value == 1.0 and same.ci_low == same.ci_high == same.difference == 0
+    shifted = compare(binary(np.clip(base + 0.2, 0, 1)), binary(base))
+    assert shifted.test == "paired bootstrap" and shifted.p_value < 0.001 and shifted.ci_low > 0
+    assert shifted.verdict("snapkv", "h2o").startswith("snapkv better, p = ")
+    noise = compare(binary(np.clip(base + rng.normal(0, 0.02, 60), 0, 1)), binary(base))
+    assert noise.p_value > ALPHA and noise.ci_low < 0 < noise.ci_high
+    # The paired interval is scipy's bootstrap of the per-sample differences.
+    own = stats.bootstrap((np.clip(base + 0.2, 0, 1) - base,), np.mean, n_resamples=RESAMPLES, method="percentile",
+                          rng=np.random.default_rng(SEED)).confidence_interval
+    assert (shifted.ci_low, shifted.ci_high) == pytest.approx((own.low, own.high))
+
+
+def test_the_verdict_says_what_was_found_and_what_it_would_take():
+    a = binary([1] * 3 + [0] * 17)
+    b = binary([0] * 1 + [1] * 2 + [0] * 16 + [1])
+    result = compare(a, b)
+    assert not result.significant
+    assert result.verdict() == (f"no difference detected at n = 20 (p = {result.p_value:.3g}); would need "
+                                f"≈ {result.needed} samples to detect a 10-point difference")
+    assert compare(binary([1] * 12 + [0] * 8), binary([0] * 20)).verdict() == "A better, p = 0.000488"
+
+
+def test_samples_needed_gives_the_exact_mcnemar_test_its_power():
+    n = samples_needed(0.10, discordance=0.3)
+    assert _mcnemar_power(n, 0.3, (0.3 + 0.1) / 0.6) >= 0.8 > _mcnemar_power(n - 2, 0.3, (0.3 + 0.1) / 0.6)
+    # A simulation agrees: pairs drawn at that disagreement, tested with scipy's exact binomial test.
+    rng = np.random.default_rng(3)
+    disagreements = rng.binomial(n, 0.3, 1000)
+    wins = rng.binomial(disagreements, (0.3 + 0.1) / 0.6)
+    power = np.mean([stats.binomtest(k, m).pvalue < ALPHA if m else False for k, m in zip(wins, disagreements)])
+    assert power == pytest.approx(0.8, abs=0.04)
+    # Connor's normal approximation is close; more disagreement or a smaller difference needs more samples.
+    z_a, z_b = stats.norm.ppf(1 - ALPHA / 2), stats.norm.ppf(0.8)
+    assert n == pytest.approx((z_a * 0.3 ** 0.5 + z_b * (0.3 - 0.01) ** 0.5) ** 2 / 0.01, rel=0.1)
+    assert samples_needed(0.10) > n > samples_needed(0.20, discordance=0.3)
+    assert samples_needed(0.10, difference_sd=0.3) == int(np.ceil(((z_a + z_b) * 0.3 / 0.1) ** 2))
+
+
+def test_bad_comparisons_are_refused_in_one_line():
+    with pytest.raises(EvalkitError, match="different samples"):
+        compare(binary([1, 0]), binary([1, 0, 1]))
+    with pytest.raises(EvalkitError, match="different samples"):
+        compare(binary([1, 0]), [{"id": "other", "score": 1.0}, {"id": "s1", "score": 0.0}])
+    with pytest.raises(EvalkitError, match="different samples"):
+        compare([], [])
+    with pytest.raises(EvalkitError, match="at least two"):
+        compare(binary([0.5]), binary([0.2]))
+    with pytest.raises(EvalkitError, match="difference to detect"):
+        samples_needed(0)
