@@ -164,6 +164,9 @@ class RunConfig:
 
     def _resolve_data(self) -> None:
         task = DataTask(self.task, self.data_format, self.metric, self.limit, self.offset, self.task_args)
+        limit = window(self.model)  # a giant record is refused here, before any model loads or tokenises it
+        task.check_sizes(*((self.length,) if not limit or self.length <= limit else
+                           (limit, f"{self.model}'s window of {limit}")))
         self.task, self.data_format, self.metric = task.name, task.data_format, task.metric
         self.offset, self.samples = task.indices.start, len(task.indices)
         self.data_sha256, self.question_split = task.sha256, task.question_split

@@ -3,6 +3,8 @@
 Crash safety: config and metrics are written to a temporary file and renamed;
 a prediction is one appended, fsynced line, and a torn last line from a killed
 run is cut off when the run resumes. A run is complete iff metrics.json exists.
+A write that fails (a full disk) leaves no temporary file and no partial line, and
+is one line (`WriteFailed`, exit 1); the same command resumes once there is room.
 
 One process at a time: whoever writes a run folder holds its lock (`RunDir.locked`,
 an flock on `<run folder>/.lock`); a second process on the same folder waits for it.
@@ -11,6 +13,7 @@ an flock on `<run folder>/.lock`); a second process on the same folder waits for
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -19,13 +22,32 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterator
 
-from evalkit.errors import EvalkitError
+from evalkit.errors import EvalkitError, WriteFailed
+
+
+@contextlib.contextmanager
+def _writing(path: Path, size: int, tmp: Path | None = None) -> Iterator[None]:
+    """An OSError while writing `size` bytes to `path` (through `tmp`, removed) becomes one WriteFailed line."""
+    try:
+        yield
+    except OSError as error:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise WriteFailed(f"no space left on the device of {path.parent}: writing {path.name} ({size:,} "
+                              f"bytes) failed; free some space and run the same command again, it resumes") from None
+        raise WriteFailed(f"cannot write {path}: {error.strerror or error}; the same command resumes once it "
+                          f"can") from None
 
 
 def write_json_atomic(path: Path, data) -> None:
+    text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    with _writing(path, len(text.encode()), tmp):
+        with open(tmp, "w") as file:
+            file.write(text)
+        os.replace(tmp, path)
 
 
 def read_json(path: Path, kind: type = dict):
@@ -46,6 +68,8 @@ def read_json(path: Path, kind: type = dict):
 def check_writable_folder(path: str | Path, flag: str) -> None:
     """Refuse an output folder that cannot be written (a file in its place or above it, no permission)
     before any work. Creates nothing: a temporary file in the nearest existing folder is made and removed."""
+    if not str(path).strip():  # Path("") is the current folder: never what an empty option meant
+        raise EvalkitError(f"{flag} is empty: give a folder, such as runs")
     _check_writable(Path(path), Path(path), flag)
 
 
@@ -145,12 +169,7 @@ class RunDir:
         records, whole_bytes = self._whole_records()
         unique, dropped = _unique(records)
         if dropped:
-            tmp = self.predictions_path.with_suffix(".jsonl.tmp")
-            with open(tmp, "w") as file:
-                file.writelines(json.dumps(record, sort_keys=True) + "\n" for record in unique)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(tmp, self.predictions_path)
+            self.write_predictions(unique)
         elif self.predictions_path.exists() and self.predictions_path.stat().st_size != whole_bytes:
             with open(self.predictions_path, "r+b") as file:
                 file.truncate(whole_bytes)
@@ -176,11 +195,30 @@ class RunDir:
             records.append(record)
         return records, len(whole)
 
+    def write_predictions(self, records: list[dict]) -> None:
+        """All of predictions.jsonl at once (one write and one fsync), through a temporary file."""
+        text = "".join(json.dumps(record, sort_keys=True, default=str) + "\n" for record in records)
+        tmp = self.predictions_path.with_suffix(".jsonl.tmp")
+        with _writing(self.predictions_path, len(text.encode()), tmp):
+            with open(tmp, "w") as file:
+                file.write(text)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, self.predictions_path)
+
     def append(self, record: dict) -> None:
-        with open(self.predictions_path, "a") as file:
-            file.write(json.dumps(record, sort_keys=True) + "\n")
-            file.flush()
-            os.fsync(file.fileno())
+        line = json.dumps(record, sort_keys=True) + "\n"
+        size = self.predictions_path.stat().st_size if self.predictions_path.exists() else 0
+        try:
+            with _writing(self.predictions_path, len(line.encode())):
+                with open(self.predictions_path, "a") as file:
+                    file.write(line)
+                    file.flush()
+                    os.fsync(file.fileno())
+        except WriteFailed:
+            with contextlib.suppress(OSError):  # what part of the line got in goes: the sample is not recorded
+                os.truncate(self.predictions_path, size)
+            raise
 
     def finish(self, metrics: dict) -> None:
         write_json_atomic(self.metrics_path, metrics)

@@ -98,7 +98,8 @@ def value(*choices: str):
     return st.integers(0, 4).flatmap(lambda pick: named if pick < 3 else NUMBER if pick == 3 else TEXT)
 
 
-PATHS = ["{root}/file.txt", "{root}/file.txt/below", "{root}/new/out", "{root}", "/proc/evalkit", "{root}/data.jsonl"]
+PATHS = ["{root}/file.txt", "{root}/file.txt/below", "{root}/new/out", "{root}", "/proc/evalkit", "{root}/data.jsonl",
+         ""]
 
 RUN_OPTIONS = {
     "--policy": value("h2o_head", "snapkv", "streaming_llm", "full", "quest", "h2o_page", "h2o_haed"),
@@ -179,7 +180,10 @@ DATA = st.one_of(
     st.sampled_from([b"\xff\xfe not utf-8\n", b"[1, 2]\n", b'{"context": "c"}\n', b"{}\n{}\n",
                      b'{"context": "c", "question": "q", "answers": ["a"]}\n{"context": "c", "quest',
                      b'{"context": "c", "question": "q", "answers": ["a"], "max_new_tokens": 99999999999999}\n',
-                     b'{"input": "x", "outputs": "y"}\n' * 2]))
+                     b'{"input": "x", "outputs": "y"}\n' * 2,
+                     # a giant record (2.4 M characters: more than 8192 tokens hold), then a line --limit 1 never reads
+                     b'{"context": "' + b"hay " * 600_000 + b'", "question": "q", "answers": ["a"], '
+                     b'"max_new_tokens": 4}\n{"context": "c", "quest']))
 CONFIG_VALUE = st.one_of(TEXT, NUMBER, st.integers(), st.floats(), st.none(), st.booleans(),
                          st.lists(st.one_of(TEXT, NUMBER), max_size=3),
                          st.dictionaries(TEXT, TEXT, max_size=2))

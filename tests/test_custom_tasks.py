@@ -1,12 +1,13 @@
 """Data tasks: the user's JSONL files and datasets in kvpress's, RULER's and LongBench's formats."""
 
 import json
+import time
 
 import pytest
 
-from evalkit.config import RunConfig
+from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
-from evalkit.tasks.custom import RULER_MAX_NEW_TOKENS, DataTask, make_task
+from evalkit.tasks.custom import MAX_CHARS_PER_TOKEN, RULER_MAX_NEW_TOKENS, DataTask, make_task
 from evalkit.tasks.metrics import exact
 from test_cli import evalkit
 
@@ -179,6 +180,46 @@ def test_samples_over_the_length_are_refused_not_cut(tmp_path):
         task.samples(words, max(needed) - 1, 2, seed=0)
 
 
+def test_a_giant_record_is_refused_naming_it_before_anything_is_tokenised(tmp_path):
+    """Issue #34: one 50 MB record hung a run while the tokenizer went through it."""
+    path = tmp_path / "giant.jsonl"
+    giant = dict(KVPRESS[1], context="hay " * 12_500_000)  # 50 MB
+    path.write_text(json.dumps(KVPRESS[0]) + "\n" + json.dumps(giant) + "\n")
+
+    def no_tokenizer(sample):
+        raise AssertionError("tokenised")
+
+    started = time.monotonic()
+    task = task_of(path)
+    with pytest.raises(EvalkitError) as refused:
+        task.samples(no_tokenizer, 2048, 2, seed=0)
+    assert time.monotonic() - started < 10
+    chars = len(giant["context"]) + len(giant["question"]) + len(giant["answer_prefix"])
+    assert str(refused.value) == (f"{path}: record 2 (id 'code-b') has {chars:,} characters of prompt, more than "
+                                  f"--length 2048 tokens hold at {MAX_CHARS_PER_TOKEN} characters a token: data "
+                                  "samples are never cut; skip it with --offset/--limit")
+    assert task_of(path, limit=1).samples(words, 2048, 1, seed=0)[0].id == "code-a"  # the records before it run
+    with pytest.raises(EvalkitError, match="more than the model's window of 8192 tokens hold"):
+        task.check_sizes(8192, "the model's window of 8192")  # as a run can check before any model loads
+    # The bound is never below what fits: a prompt of one character a token, at --length, passes it.
+    fits = dict(KVPRESS[0], context="a" * (2048 * MAX_CHARS_PER_TOKEN - len(KVPRESS[0]["question"])
+                                          - len(KVPRESS[0]["answer_prefix"])))
+    assert task_of(write_jsonl(tmp_path / "edge.jsonl", [fits])).samples(lambda sample: 1, 2048, 1, seed=0)
+
+
+def test_limit_stops_reading_the_file(tmp_path):
+    """Records past offset + limit are never read: a bad line (or a giant record) after them costs nothing."""
+    path = tmp_path / "kv.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in KVPRESS[:2]) + "{not json\n")
+    task = task_of(path, limit=2)
+    assert [s.id for s in task.samples(words, 2048, 2, seed=0)] == ["code-a", "code-b"]
+    assert task_of(path, offset=1, limit=1).indices == range(1, 2)
+    with pytest.raises(EvalkitError, match="kv.jsonl:3: not JSON"):
+        task_of(path, limit=3)
+    with pytest.raises(EvalkitError, match="kv.jsonl:3: not JSON"):
+        task_of(path)
+
+
 def test_the_run_id_follows_the_data_and_its_options(tmp_path):
     path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
 
@@ -203,7 +244,7 @@ def test_the_run_id_follows_the_data_and_its_options(tmp_path):
 
 def test_registered_tasks_keep_their_run_ids_free_of_data_options():
     config = RunConfig().validate()
-    assert not set(RunConfig._DATA_FIELDS) & set(config.identity())
+    assert not set(fields_where(data=True)) & set(config.identity())
     assert config.to_dict()["data_format"] is None and config.question_split is None
 
 

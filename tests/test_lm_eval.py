@@ -13,8 +13,8 @@ import torch
 from conftest import tiny_model
 from evalkit import models
 from evalkit.errors import EvalkitError
-from evalkit.generate import GenerationSettings, Request, generate
-from evalkit.teacher_forcing import ScoreRequest, score_continuations, score_rolling
+from evalkit.loop import GenerationSettings, Request, generate
+from evalkit.loop.teacher_forcing import ScoreRequest, score_continuations, score_rolling
 from evalkit.integrations.lm_eval import EvalkitLM
 from evalkit.integrations.lm_eval_command import main, save_run
 from evalkit.policies import make_policy
@@ -214,6 +214,83 @@ def test_cli_entry_refuses_bad_model_args_with_one_line(monkeypatch, task_dir, c
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert err[-1].startswith("error: budget 2.5 is out of range")
+
+
+@pytest.fixture
+def lm_eval_logs_here(monkeypatch):
+    """lm-eval's log handler made afresh on this test's stderr: lm-eval makes it once per process, on the
+    stderr of that moment, so that its lines would otherwise never reach capsys."""
+    import logging
+
+    from lm_eval import utils
+
+    monkeypatch.setattr(utils, "_LOGGING_CONFIGURED", False)
+    monkeypatch.setattr(logging.getLogger("lm_eval"), "handlers", [])
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading any model fails the test; fetching and converting the default model (`default_model_dir`) too,
+    unless the test allows it (a task that exists may need the default's tokenizer to build its data)."""
+    from transformers import AutoModelForCausalLM
+
+    from evalkit import assets
+
+    allowed, real = [], assets.default_model_dir
+
+    def refuse(*_, **__):
+        raise AssertionError("the model loader was called")
+
+    monkeypatch.setattr(assets, "default_model_dir", lambda: real() if any(allowed) else refuse())
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    return allowed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "no_such_task_xyz", "--limit", "2"], "lm-eval: Tasks not found: no_such_task_xyz"),
+    (["--tasks", "hellaswag", "--limit", "2"],  # a hub task, offline (conftest): its data loads before the model
+     "cannot load lm-eval tasks hellaswag: ConnectionError: Couldn't reach 'Rowan/hellaswag' on the Hub"),
+    (["--tasks", "ek_mc", "--limit", "-1"], "lm-eval: --limit must be a number > 0 (examples per task, or a "
+                                            "fraction of them below 1), got '-1'"),
+    (["--tasks", "ek_mc", "--limit=-0.5"], "got '-0.5'"),
+    (["--tasks", "ek_mc", "-L", "nan"], "got 'nan'"),
+    (["--tasks", "ek_mc", "--include_path", "{tmp}/missing", "--limit", "2"],
+     "lm-eval: --include_path {tmp}/missing is not a folder (of task YAML files)"),
+    (["--tasks", "ek_mc", "--include_path", "{tmp}/file.yaml"], "--include_path {tmp}/file.yaml is not a folder"),
+])
+def test_lm_eval_refusals_are_one_line_and_load_no_model(lm_eval_logs_here, no_model_loads, capsys, tmp_path,
+                                                          args, message):
+    """Issue #34: lm-eval's own WARNING lines came before the error; `--limit -1` passed; a missing task was
+    refused only after the default model had been fetched and converted (99 s on a fresh machine)."""
+    (tmp_path / "file.yaml").write_text("task: x\n")
+    no_model_loads.append("hellaswag" in args)  # the one task here that exists
+    code = main([arg.format(tmp=tmp_path) for arg in args] + ["--out", str(tmp_path / "runs"), "--wandb", "off"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.splitlines() == [err.splitlines()[0]] and err.startswith("error: "), err
+    assert message.format(tmp=tmp_path) in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_lm_eval_log_lines_come_through_once_the_tasks_have_loaded(lm_eval_logs_here, monkeypatch, capsys,
+                                                                    task_dir, tmp_path):
+    """Held while lm-eval checks its input, not dropped: a run that passes still shows them."""
+    from lm_eval import evaluator
+
+    seen = []
+    monkeypatch.setattr(evaluator, "simple_evaluate", lambda *_, **kwargs: seen.append(kwargs["tasks"]))
+    code = main(["--tasks", "ek_mc", "--include_path", str(task_dir), "--limit", "1", "--out", str(tmp_path),
+                 "--wandb", "off"])
+    err = capsys.readouterr().err
+    assert code == 0 and len(seen) == 1 and seen[0][0].config.task == "ek_mc"  # built before the model
+    assert err.count("--limit SHOULD ONLY BE USED FOR TESTING") == 1 and "Selected Tasks: ['ek_mc']" in err
+
+
+def test_the_default_model_folder_is_where_assets_makes_it(default_model):
+    from evalkit.assets import default_model_dir
+    from evalkit.integrations.lm_eval_options import default_model_folder
+
+    assert default_model_folder() == default_model_dir()
 
 
 def test_query_agnostic_compresses_the_context_and_appends_the_question(default_model):

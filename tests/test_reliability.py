@@ -2,6 +2,7 @@
 resume without duplicates, and the inputs that once ended in a traceback are one line and exit 2 before
 any model loads."""
 
+import errno
 import json
 import os
 import socket
@@ -326,6 +327,7 @@ BAD_INPUT = [
     (["run", "--policy", "h2o_head", "--policy-arg", "nope=1"], "has no policy-arg 'nope'"),
     (["run", "--out", "{file}"], "--out {file} is a file, not a folder"),
     (["run", "--out", "{file}/runs"], "is inside {file}, which is a file"),
+    (["run", "--out", ""], "--out is empty: give a folder, such as runs"),  # was: run folders in the current one
     (["sweep", "--temperature", "nan", "--dry-run"], "temperature must be a finite number >= 0, got nan"),
     (["sweep", "--seed", "99999999999999999999999", "--dry-run"], "seed must be in [0, 2**32)"),
     (["sweep", "--budgets", "0.1,1e-300", "--dry-run"], "the smallest useful fraction is"),
@@ -333,13 +335,16 @@ BAD_INPUT = [
     (["sweep", "--policies", "snapkv", "--config", "{tmp}/args.yaml", "--dry-run"], "window"),
     (["sweep", "--device", "tpu9", "--dry-run"], "unknown device 'tpu9'"),
     (["sweep", "--out", "{file}"], "--out {file} is a file, not a folder"),
+    (["sweep", "--out", ""], "--out is empty: give a folder"),
     (["bench", "--device", "tpu9"], "unknown device 'tpu9'"),
     (["bench", "--seed", "-1"], "seed must be in [0, 2**32)"),
     (["bench", "--policies", "snapkv", "--policy-arg", "nope=1"], "has no policy-arg 'nope'"),
     (["bench", "--out", "{file}"], "--out {file} is a file, not a folder"),
+    (["bench", "--out", ""], "--out is empty: give a folder"),
     (["lm-eval"], "lm-eval needs --tasks NAME[,NAME...]"),
     (["lm-eval", "--tasks"], "expected at least one argument"),
     (["lm-eval", "--tasks", "x", "--out", "{file}"], "--out {file} is a file, not a folder"),
+    (["lm-eval", "--tasks", "x", "--out", ""], "--out is empty: give a folder"),
     (["lm-eval", "--tasks", "x", "--wandb", "sometimes"], "unknown wandb 'sometimes'"),
     (["lm-eval", "--tasks", "x", "--model_args", "seed=-1"], "seed must be an integer in [0, 2**32)"),
     (["lm-eval", "--tasks", "x", "--model_args", "device=tpu9"], "unknown device 'tpu9'"),
@@ -404,6 +409,128 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(refuse_models, 
 def test_unknown_lm_eval_tasks_are_refused_before_the_model_loads(refuse_models, monkeypatch, capsys, tmp_path):
     code, _, err = evalkit(monkeypatch, capsys, "lm-eval", "--tasks", "no_such_task_xyz", "--out", str(tmp_path))
     assert code == 2 and err.strip() == "error: lm-eval: Tasks not found: no_such_task_xyz"
+
+
+# ---- issue #34: giant records, missing optional packages, a full disk ---------------------------------------
+
+def test_a_giant_data_record_is_refused_in_seconds_naming_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """One 50 MB record: refused before the tokenizer sees it (it took minutes), no run folder left."""
+    data = tmp_path / "giant.jsonl"
+    data.write_text(json.dumps(dict(RECORDS[0], id="giant", context="hay " * 12_500_000)) + "\n")
+    out = tmp_path / "runs"
+    started = time.monotonic()
+    code, _, err = evalkit(monkeypatch, capsys, "run", "--model", str(tiny_model_dir), "--task", f"jsonl:{data}",
+                           "--length", "300", "--policy", "h2o_head", "--budget", "0.5", "--out", str(out),
+                           "--no-baseline", "--wandb", "off")
+    assert time.monotonic() - started < 10
+    assert code == 2 and err.startswith(f"error: {data}: record 1 (id 'giant') has 50,000,0") and \
+        "more than --length 300 tokens hold" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("missing, address, message", [
+    ("grpc", "ray://127.0.0.1:10001", "error: the Ray address ray://127.0.0.1:10001 is reached through Ray Client, "
+                                      "which needs the package grpcio (Ray's client extra): pip install grpcio"),
+    ("ray", None, "error: --engine ray needs the package ray: pip install ray"),
+])
+def test_a_missing_optional_package_is_one_line_naming_it(tiny_model_dir, refuse_models, tmp_path, monkeypatch,
+                                                           capsys, missing, address, message):
+    """Ray Client without ray[client] was a ValueError traceback, after the sweep had written its plan."""
+    monkeypatch.setitem(sys.modules, missing, None)  # `import` of it fails, as when it is not installed
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "runs"
+    code, _, err = evalkit(monkeypatch, capsys, "sweep", "--model", str(tiny_model_dir), "--policies", "h2o_head",
+                           "--budgets", "0.5", "--tasks", f"jsonl:{tiny_model_dir / 'data.jsonl'}", "--length", "300",
+                           "--out", str(out), "--wandb", "off", "--engine", "ray",
+                           *(["--ray-address", address] if address else []))
+    assert code == 2 and err.strip().splitlines() == [message], err
+    assert not out.exists()
+
+
+def full_disk(monkeypatch, name: str, good_writes: int) -> None:
+    """The results store on a disk that fills up: after `good_writes` writes to files called `name`, the next
+    one gets half its text in, then ENOSPC (as a write to a full disk)."""
+    from evalkit import results
+
+    real_open, writes = open, []
+
+    class Filling:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, text):
+            writes.append(len(text))
+            if len(writes) <= good_writes:
+                return self.file.write(text)
+            self.file.write(text[:len(text) // 2])
+            self.file.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __getattr__(self, attribute):
+            return getattr(self.file, attribute)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            self.file.close()
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        return Filling(file) if Path(path).name == name and "r" not in mode else file
+
+    monkeypatch.setattr(results, "open", filling_open, raising=False)
+
+
+@pytest.mark.parametrize("name, good_writes, recorded", [
+    ("config.json.tmp", 0, None),  # the first finished sample's config.json: no run folder stays
+    ("predictions.jsonl", 1, 1),  # the second sample's line: half of it got in
+    ("metrics.json.tmp", 0, 3),  # every sample recorded, the run not marked complete
+])
+def test_a_full_disk_is_one_line_and_exit_1_and_the_run_resumes(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                 name, good_writes, recorded):
+    from evalkit.config import RunConfig
+
+    out = tmp_path / "runs"
+    folder = out / RunConfig(model=str(tiny_model_dir), task=f"jsonl:{tiny_model_dir / 'data.jsonl'}", length=300,
+                             policy="h2o_head", budget=0.5, out=str(out)).validate().run_id()
+    args = run_args(tiny_model_dir, out, "--wandb", "off")
+    with monkeypatch.context() as patched:
+        full_disk(patched, name, good_writes)
+        code, _, err = evalkit(monkeypatch, capsys, *args)
+    target = name.removesuffix(".tmp")
+    (line,) = err.strip().splitlines()
+    assert code == 1 and line.startswith(f"error: no space left on the device of {folder}: writing {target} (") \
+        and line.endswith(" bytes) failed; free some space and run the same command again, it resumes"), err
+    assert not list(tmp_path.rglob("*.tmp"))
+    if recorded is None:
+        assert not out.exists()
+    else:  # whole lines only: half a line is no sample
+        assert [json.loads(line)["id"] for line in lines(folder)] == [r["id"] for r in RECORDS[:recorded]]
+        assert (folder / "predictions.jsonl").read_text().endswith("\n") and not (folder / "metrics.json").exists()
+
+    code, stdout, err = evalkit(monkeypatch, capsys, *args)  # space again: the same command resumes
+    assert code == 0, err
+    if recorded:
+        assert f"resumed after {recorded} samples" in stdout
+    assert [json.loads(line)["id"] for line in lines(folder)] == [r["id"] for r in RECORDS]
+    assert json.loads((folder / "metrics.json").read_text())["samples"] == 3
+
+
+def test_heatmap_names_the_incomplete_runs_in_one_line_and_still_draws(monkeypatch, capsys, tmp_path):
+    complete = niah_store(tmp_path)
+    cut, unfinished = complete.with_name("cut-short"), complete.with_name("unfinished")
+    for folder, metrics in ((cut, {"score": 1.0, "samples": 3}), (unfinished, None)):
+        folder.mkdir()
+        for name in ("config.json", "predictions.jsonl"):
+            (folder / name).write_bytes((complete / name).read_bytes())
+        if metrics:
+            (folder / "metrics.json").write_text(json.dumps(metrics))
+    code, out, err = evalkit(monkeypatch, capsys, "heatmap", str(complete), str(cut), str(unfinished),
+                             "-o", str(tmp_path / "h.png"))
+    assert code == 0 and (tmp_path / "h.png").stat().st_size > 0
+    assert err.strip().splitlines() == [f"note: incomplete runs, drawn with the cells they have: {cut} (1 of 3 "
+                                        f"predictions), {unfinished} (1 predictions, not finished)"]
 
 
 # ---- store files: skipped or refused in one line, never a partial output -------------------------------------

@@ -3,6 +3,8 @@
 
 Nothing finished is lost: every model arg, `--out` and `--wandb` are checked before lm-eval indexes
 its tasks, the tasks' data is loaded before the model, and results are written before W&B is told.
+A refusal is one line: lm-eval's own log lines are held back until its checks have passed and the
+tasks have loaded (then they go through); the default model is made only once lm-eval has found the tasks.
 """
 
 from __future__ import annotations
@@ -11,17 +13,18 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
+from evalkit import assets
 from evalkit.config import WANDB_MODES, choice
 from evalkit.errors import EvalkitError
 from evalkit.integrations import lm_eval as _model  # noqa: F401  (importing it registers --model evalkit)
-from evalkit.integrations.lm_eval_options import MODEL_NAME, RESULTS_KEY, lm_eval_argv, take_option
+from evalkit.integrations.lm_eval_options import (MODEL_NAME, RESULTS_KEY, default_model_folder, lm_eval_argv,
+                                                  take_option)
 from evalkit.integrations.wandb import decide_wandb_mode, log_run
 from evalkit.results import RunDir, check_writable_folder, package_versions, write_json_atomic
 
@@ -76,12 +79,7 @@ def save_run(results: dict, out: str | Path = "runs", wandb_mode: str | None = N
     with run_dir.locked():
         run_dir.metrics_path.unlink(missing_ok=True)
         run_dir.start(config)
-        tmp = run_dir.predictions_path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as file:  # one write and one fsync: lm-eval runs have thousands of requests
-            file.writelines(json.dumps(record, sort_keys=True, default=str) + "\n" for record in info["predictions"])
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, run_dir.predictions_path)
+        run_dir.write_predictions(info["predictions"])  # one write and one fsync: thousands of requests
         write_json_atomic(run_dir.metrics_path, metrics)
     mode = wandb_mode or decide_wandb_mode("auto", warn)
     log_run(mode, run_dir.path, run_id, config, metrics, info["predictions"], warn)
@@ -89,10 +87,13 @@ def save_run(results: dict, out: str | Path = "runs", wandb_mode: str | None = N
 
 
 @contextlib.contextmanager
-def _saving_runs(out: str | Path, wandb_mode: str, warn: Callable[[str], None]):
+def _saving_runs(out: str | Path, wandb_mode: str, warn: Callable[[str], None],
+                 checked: Callable[[], None] = lambda: None):
     """While lm-eval's CLI runs, save every evalkit result it computes to `out` as soon as it has it,
     then drop the per-request records from it (lm-eval's own output files stay their usual size).
-    The tasks' data is loaded before the model, so a task that cannot load costs no model load.
+    The tasks' data is loaded before the model, so a task that cannot load costs no model load; the
+    embedded default model is made (downloaded and converted, the first time) only once lm-eval has found
+    the tasks, before their data (RULER's loads its tokenizer); `checked` is called once the data is there.
     The CLI looks `simple_evaluate` up on the `lm_eval` package at call time: wrapped there, restored after.
     Yields (run folders saved, a list that is non-empty once lm-eval's own input checks have passed)."""
     import lm_eval
@@ -104,8 +105,13 @@ def _saving_runs(out: str | Path, wandb_mode: str, warn: Callable[[str], None]):
 
     def simple_evaluate(*args, **kwargs):
         started.append(True)
-        if kwargs.get("model") == MODEL_NAME and kwargs.get("tasks") and kwargs.get("task_manager") is not None:
-            kwargs["tasks"] = _load_tasks(kwargs["tasks"], kwargs["task_manager"])
+        if kwargs.get("model") == MODEL_NAME:
+            model_args = kwargs.get("model_args")
+            if isinstance(model_args, dict) and str(model_args.get("tokenizer")) == str(default_model_folder()):
+                assets.default_model_dir()
+            if kwargs.get("tasks") and kwargs.get("task_manager") is not None:
+                kwargs["tasks"] = _load_tasks(kwargs["tasks"], kwargs["task_manager"])
+        checked()
         results = real(*args, **kwargs)
         if results is not None and RESULTS_KEY in results.get("config", {}):
             saved.append(save_run(results, out, wandb_mode, warn))
@@ -142,6 +148,44 @@ def _names(tasks: list) -> str:
 
 
 @contextlib.contextmanager
+def _held_logs():
+    """lm-eval's log lines (`--limit SHOULD ONLY BE USED FOR TESTING`, `Selected Tasks`, ...) held back while
+    it checks its input, so that a refusal is the one error line alone. Yields the function that lets the
+    held lines, and every later one, through; lines still held when lm-eval ends without an error go
+    through then (`ls`), those held at a refusal are dropped."""
+    from lm_eval.utils import setup_logging
+
+    setup_logging()  # lm-eval's handler made now, to be held; cli_evaluate's own call then only sets the level
+    logger = logging.getLogger("lm_eval")
+    handlers, held = logger.handlers, _Holding()
+    logger.handlers = [held]
+
+    def release() -> None:
+        if logger.handlers == [held]:
+            logger.handlers = handlers
+            for record in held.records:
+                for handler in handlers:
+                    if record.levelno >= handler.level:
+                        handler.handle(record)
+
+    try:
+        yield release
+        release()
+    finally:
+        if logger.handlers == [held]:
+            logger.handlers = handlers
+
+
+class _Holding(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextlib.contextmanager
 def _argv(argv: list[str]):
     previous = sys.argv
     sys.argv = argv
@@ -170,12 +214,12 @@ def main(argv: list[str]) -> int:
         if ours:
             check_writable_folder(out, "--out")
             mode = decide_wandb_mode(wandb, lambda line: say(f"note: {line}"))
-        with _argv(["lm-eval", *lm_argv]), _saving_runs(out, mode, lambda line: say(f"warning: {line}")) \
-                as (saved, started):
+        with _argv(["lm-eval", *lm_argv]), _held_logs() as checked, \
+                _saving_runs(out, mode, lambda line: say(f"warning: {line}"), checked) as (saved, started):
             cli_evaluate()
     except EvalkitError as error:
         say(f"error: {error}")
-        return 2
+        return getattr(error, "exit_code", 2)  # 1 for results that could not be written (errors.WriteFailed)
     except SystemExit as done:  # argparse: --help, usage errors
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except (ValueError, TypeError, OSError) as error:

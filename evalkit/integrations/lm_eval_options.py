@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
@@ -121,11 +123,20 @@ def policy_args_from_model_arg(value) -> dict[str, str]:
     return args
 
 
+def default_model_folder() -> Path:
+    """Where `assets.default_model_dir()` keeps the embedded default model, without making it (a download
+    and a conversion, done once lm-eval has found the tasks: `lm_eval_command`)."""
+    from evalkit.assets import cache_root
+
+    return cache_root() / "models" / "SmolLM2-135M-Instruct"
+
+
 def lm_eval_argv(argv: list[str]) -> tuple[list[str], bool]:
     """lm-eval's CLI arguments with `--model evalkit` implied and its model args checked now, before
     lm-eval indexes its tasks; and whether they evaluate `--model evalkit`. For the embedded default
     model, its tokenizer folder is added as `tokenizer=`: tasks that build their own data (RULER) load
-    the tokenizer by that name, and the default's short name is not a hub id."""
+    the tokenizer by that name, and the default's short name is not a hub id. `--limit` and
+    `--include_path`, which lm-eval takes as they come, are checked here too."""
     import argparse
 
     from lm_eval._cli.utils import MergeDictAction
@@ -140,11 +151,23 @@ def lm_eval_argv(argv: list[str]) -> tuple[list[str], bool]:
     peek.add_argument("--config", "-C")
     peek.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction)
     peek.add_argument("--tasks", "-t", nargs="+")
+    peek.add_argument("--limit", "-L")
+    peek.add_argument("--include_path")
     peek.add_argument("--help", "-h", action="store_true")
     try:
         known, _ = peek.parse_known_args(argv)
     except argparse.ArgumentError as error:
         raise EvalkitError(f"lm-eval: {error}") from None
+    if known.limit is not None:
+        try:
+            limit = float(known.limit)
+        except ValueError:
+            limit = math.nan
+        if not (math.isfinite(limit) and limit > 0):
+            raise EvalkitError(f"lm-eval: --limit must be a number > 0 (examples per task, or a fraction of "
+                               f"them below 1), got {known.limit!r}")
+    if known.include_path is not None and not Path(known.include_path).expanduser().is_dir():
+        raise EvalkitError(f"lm-eval: --include_path {known.include_path} is not a folder (of task YAML files)")
     if known.model is None and known.config is None:
         argv = ["--model", MODEL_NAME, *argv]
         known.model = MODEL_NAME
@@ -155,9 +178,7 @@ def lm_eval_argv(argv: list[str]) -> tuple[list[str], bool]:
     model_args = dict(known.model_args or {})
     AdapterConfig.from_args(**model_args)
     if model_args.get("pretrained", DEFAULT_MODEL) == DEFAULT_MODEL and "tokenizer" not in model_args:
-        from evalkit.assets import default_model_dir
-
-        argv += ["--model_args", f"tokenizer={default_model_dir()}"]
+        argv += ["--model_args", f"tokenizer={default_model_folder()}"]
     return head + argv, True
 
 

@@ -8,7 +8,9 @@ per run folder on one colour scale; one run's picture is `evalkit.tasks.niah_hea
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
+from typing import Callable
 
 from evalkit.errors import EvalkitError
 from evalkit.results import RunDir, check_writable_file, read_json
@@ -17,18 +19,27 @@ from evalkit.tasks.niah_heatmap import draw_grid, grid_figure, run_title, save_p
 _PANELS_PER_ROW = 4
 
 
-def write_side_by_side(run_dirs: list[str | Path], path: str | Path) -> Path:
+def _note(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def write_side_by_side(run_dirs: list[str | Path], path: str | Path, say: Callable[[str], None] = _note) -> Path:
     """One PNG with a heatmap per run folder (one per policy and budget), on a shared colour scale."""
     check_writable_file(path, "-o")
-    return save_png(side_by_side_figure(run_dirs), path)
+    return save_png(side_by_side_figure(run_dirs, say), path)
 
 
-def side_by_side_figure(run_dirs: list[str | Path]):
-    """A matplotlib Figure: one panel per run folder, up to four a row, and one colour bar for all."""
+def side_by_side_figure(run_dirs: list[str | Path], say: Callable[[str], None] = _note):
+    """A matplotlib Figure: one panel per run folder, up to four a row, and one colour bar for all. Runs that
+    are not complete are drawn with the cells they have, and named in one `say` line."""
     if not run_dirs:
         raise EvalkitError("no run folders given")
     runs = [load_run(run_dir) for run_dir in run_dirs]
     grids = [score_grid(records, str(run_dir)) for run_dir, (records, _) in zip(run_dirs, runs)]
+    incomplete = [f"{run_dir} ({why})" for run_dir, (records, _) in zip(run_dirs, runs)
+                  if (why := incomplete_reason(run_dir, records))]
+    if incomplete:
+        say(f"note: incomplete runs, drawn with the cells they have: {', '.join(incomplete)}")
     columns = min(len(runs), _PANELS_PER_ROW)
     rows = math.ceil(len(runs) / columns)
     widest = max(grids, key=lambda g: len(g.lengths))
@@ -51,3 +62,19 @@ def load_run(run_dir: str | Path) -> tuple[list[dict], str]:
     if not isinstance(config, dict):
         raise EvalkitError(f"{store.config_path} has no run config: not a run folder evalkit wrote")
     return store.predictions(), run_title(config)
+
+
+def incomplete_reason(run_dir: str | Path, records: list[dict]) -> str | None:
+    """Why a run folder's predictions are not the whole run (None when they are): the run has not finished
+    (no metrics.json), or its predictions.jsonl holds fewer samples than its metrics counted."""
+    folder = Path(run_dir)
+    store = RunDir(folder.parent, folder.name)
+    if not store.complete:
+        return f"{len(records)} predictions, not finished"
+    try:
+        counted = store.metrics().get("samples")
+    except EvalkitError:  # a damaged metrics.json says nothing about the count; the predictions are drawn
+        return None
+    if isinstance(counted, int) and len(records) < counted:
+        return f"{len(records)} of {counted} predictions"
+    return None

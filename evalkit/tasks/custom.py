@@ -19,9 +19,13 @@ in one of three formats, named with `--format` or detected from the first record
 
 Choices, for every format:
 - The samples are the records in [offset, offset + limit), in the data's order (the seed does not
-  reorder them); the run's `samples` is set to their number, so user data is never cut short.
+  reorder them); the run's `samples` is set to their number, so user data is never cut short. A JSONL
+  file is read only up to its last selected record, so `--limit` stops the reading.
 - kvpress and RULER records are never cut: `--length` is a ceiling, and a sample whose prompt
   plus `max_new_tokens` is over it is refused (the runner also refuses any over the model's window).
+  A record whose prompt has more than `MAX_CHARS_PER_TOKEN` characters per token of `--length` cannot
+  fit at any tokenisation: it is refused, naming it, before anything is tokenised (a tokenizer takes
+  minutes over a 50 MB record).
 - A sample's id is the record's `id` (for RULER also `index`), else its position in the data
   counting from 0, the numbering `--offset` uses. Ids must be unique: a run resumes by id.
 - Records with a `task` are scored per task and reported as the mean of the task means; then
@@ -36,21 +40,27 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from evalkit.errors import EvalkitError
 from evalkit.tasks.base import TASKS, PromptLength, Sample, Task
 from evalkit.tasks.longbench import DATASETS as LONGBENCH_DATASETS
-from evalkit.tasks.longbench import LongBenchTask, check_records, read_jsonl
+from evalkit.tasks.longbench import LongBenchTask, check_records
 from evalkit.tasks.metrics import METRICS, first_line
 
 FORMATS = ("kvpress", "ruler", "longbench")
 DEFAULT_METRIC = "string_match_all"
 METRIC_ALIASES = {"f1": "qa_f1"}
 RULER_MAX_NEW_TOKENS = 128  # RULER's tokens_to_generate for NIAH
+# No token of a tokenizer spans more characters than this: SmolLM2's longest is 81 (a newline and 80
+# spaces), common vocabularies' are under 100. A prompt of more characters than this many per token of
+# --length holds more tokens than --length at any tokenisation (a token is at least one character).
+MAX_CHARS_PER_TOKEN = 256
 _NEEDS_CLASSES = "classification"  # a metric that needs LongBench's all_classes beside the references
 _EXPECTED = "kvpress (context, question, answers), ruler (input, outputs) or longbench (input, context, answers)"
 
@@ -112,18 +122,43 @@ class DataSource:
             return f"jsonl:{self.name}"
         return ":".join(["hf", self.name, *([self.config] if self.config else []), self.split])
 
-    def read(self) -> list[dict]:
+    def read(self, stop: int | None = None) -> list[dict]:
+        """The first `stop` records (all with None); a JSONL file is read no further than them."""
         if self.kind == "jsonl":
             stat = Path(self.name).stat()
-            return _read_cached(self, (stat.st_mtime_ns, stat.st_size))
-        return _read_cached(self, None)
+            return _read_cached(self, (stat.st_mtime_ns, stat.st_size), stop)
+        return _read_cached(self, None, None)[:stop]
 
 
 @functools.lru_cache(maxsize=4)
-def _read_cached(source: DataSource, stamp) -> list[dict]:
+def _read_cached(source: DataSource, stamp, stop: int | None) -> list[dict]:
     """Read once per process and file version: a run checks its data when validating its config
     and reads it again to build the task."""
-    return read_jsonl(Path(source.name)) if source.kind == "jsonl" else _read_dataset(source)
+    if source.kind == "jsonl":
+        return list(itertools.islice(_iter_jsonl(Path(source.name)), stop))
+    return _read_dataset(source)
+
+
+def _iter_jsonl(path: Path) -> Iterator[dict]:
+    """`read_jsonl`'s records (same line numbers, same refusals), read line by line as they are asked for."""
+    number = 0
+    with open(path, "rb") as file:
+        for chunk in file:  # split at b"\n"; splitlines also splits at a bare b"\r", as read_jsonl does
+            for raw in chunk.splitlines():
+                number += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise EvalkitError(f"{path}:{number}: not UTF-8 text") from None
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise EvalkitError(f"{path}:{number}: not JSON ({error.msg})") from None
+                if not isinstance(record, dict):
+                    raise EvalkitError(f"{path}:{number}: a record is a JSON object, got {type(record).__name__}")
+                yield record
 
 
 def _read_dataset(source: DataSource) -> list[dict]:
@@ -173,7 +208,8 @@ class DataTask(Task):
         data = DataSource.parse(task)
         self.name = data.task
         where = data.name if data.kind == "jsonl" else data.task
-        records = data.read()
+        self._where = where
+        records = data.read(None if limit is None else offset + limit)
         if not records:
             raise EvalkitError(f"{where} holds no records")
         self.data_format = data_format if data_format in FORMATS else _detect(records[0], where)
@@ -208,6 +244,7 @@ class DataTask(Task):
         indices = self.indices[:n]
         if self._longbench is not None:
             return [self._longbench.fit(prompt_length, length, index) for index in indices]
+        self.check_sizes(length)
         samples = [self._built[index] for index in indices]
         needed = {sample.id: prompt_length(sample) + sample.max_new_tokens for sample in samples}
         over = {sample_id: tokens for sample_id, tokens in needed.items() if tokens > length}
@@ -217,6 +254,20 @@ class DataTask(Task):
                                f"(prompt + max_new_tokens; sample {longest} needs {over[longest]}): "
                                f"raise --length, data samples are never cut")
         return samples
+
+    def check_sizes(self, tokens: int, limit: str | None = None) -> None:
+        """Refuses, before anything is tokenised, a selected kvpress or RULER record whose prompt cannot fit
+        `tokens` tokens at any tokenisation (more than MAX_CHARS_PER_TOKEN characters a token); `limit` names
+        what sets them (default `--length N`; the model's window before any model loads)."""
+        if self._longbench is not None:
+            return  # LongBench's contexts are cut to fit
+        for sample in (self._built[index] for index in self.indices):
+            chars = len(sample.context) + len(sample.question) + len(sample.answer_prefix)
+            if chars > tokens * MAX_CHARS_PER_TOKEN:
+                raise EvalkitError(f"{self._where}: record {sample.meta['record'] + 1} (id {sample.id!r}) has "
+                                   f"{chars:,} characters of prompt, more than {limit or f'--length {tokens}'} "
+                                   f"tokens hold at {MAX_CHARS_PER_TOKEN} characters a token: data samples are "
+                                   f"never cut; skip it with --offset/--limit")
 
     def score(self, prediction: str, references: list[str]) -> float:
         if self._longbench is not None:
