@@ -24,7 +24,10 @@ from evalkit.tasks.ppl import Perplexity
 
 WANDB_MODES = ("auto", "off", "offline", "online")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SEED_LIMIT = 2**32  # torch takes seeds below 2**64, and the random policy seeds each layer with seed * 100003 + layer
+SEED_LIMIT = 2**32
+MAX_SAMPLES = 1_000_000  # samples are built before the first runs: a larger count would only hang
+TOKENS = (1, TOKEN_LIMIT - 1, "more than any model's window (the limit is 2**31)")
+COUNT = (1, MAX_SAMPLES, f"more than one run takes (the limit is {MAX_SAMPLES:,})")  # torch takes seeds below 2**64, and the random policy seeds each layer with seed * 100003 + layer
 
 
 def parse_task_args(items: list[str]) -> dict[str, str]:
@@ -55,16 +58,19 @@ class SizedBySettings(Protocol):
 
 
 def setting(default=MISSING, *, factory=MISSING, in_id: bool = True, data: bool = False, baseline: bool = False,
-            after_prefill: bool = False, report: str = "setting"):
+            after_prefill: bool = False, report: str = "setting", bounds: tuple | None = None):
     """A RunConfig field and the groups it belongs to (`fields_where` reads them):
     - in_id: can change a result, so it is part of the run id;
     - data: a data task's own (`jsonl:`, `hf:`): unset for registered tasks and then left out of the id;
     - baseline: the full-cache baseline of a run must have the same value (the same samples, decoded alike);
     - after_prefill: acts only after a full prefill, so runs that differ in nothing else share it;
     - report: how `evalkit report` reads it: "curve" (a point of a policy's curve), "variant" (how a policy
-      ran: a series of its own), "ignored" (cannot change a score) or "setting" (a comparable group)."""
+      ran: a series of its own), "ignored" (cannot change a score) or "setting" (a comparable group).
+    `bounds`: (low, high, what a value above high exceeds, or how the range reads), refused in one line by
+    `validate` before any work (`_check_bounds`)."""
     assert report in ("curve", "variant", "ignored", "setting")
-    metadata = {"in_id": in_id, "data": data, "baseline": baseline, "after_prefill": after_prefill, "report": report}
+    metadata = {"in_id": in_id, "data": data, "baseline": baseline, "after_prefill": after_prefill, "report": report,
+                **({"bounds": bounds} if bounds else {})}
     return field(default=default, default_factory=factory, metadata=metadata)
 
 
@@ -74,22 +80,22 @@ class RunConfig:
     budget: Budget = setting(0.2, after_prefill=True, report="curve")
     task: str = setting("ruler:niah_single_2", baseline=True)
     task_args: dict[str, str] = setting(factory=dict, baseline=True)  # task-specific settings, `--task-arg key=value`
-    length: int = setting(2048, baseline=True)  # prompt + answer tokens per sample, fitted with the model's tokenizer
-    samples: int = setting(10, baseline=True)
+    length: int = setting(2048, baseline=True, bounds=TOKENS)  # prompt + answer tokens per sample, fitted with the model's tokenizer
+    samples: int = setting(10, baseline=True, bounds=COUNT)
     model: str = setting(DEFAULT_MODEL, baseline=True)
     layout: str = setting("paged", after_prefill=True, report="variant")
-    block_size: int = setting(16, after_prefill=True, report="variant")
+    block_size: int = setting(16, after_prefill=True, report="variant", bounds=TOKENS)
     granularity: str | None = setting(None, after_prefill=True, report="variant")  # None: the policy's own
     # hyper-parameters, `--policy-arg key=value`
     policy_args: dict[str, str] = setting(factory=dict, after_prefill=True, report="variant")
     prefill: str = setting("full", report="variant")
-    chunk_size: int = setting(512, report="variant")
+    chunk_size: int = setting(512, report="variant", bounds=TOKENS)
     query_aware: bool = setting(True, report="variant")
     decode_eviction: bool = setting(True, after_prefill=True, report="variant")
-    temperature: float = setting(0.0, baseline=True, after_prefill=True)
-    seed: int = setting(0, baseline=True)
-    batch_size: int = setting(1, in_id=False, report="ignored")
-    pool_pages: int | None = setting(None, after_prefill=True, report="variant")
+    temperature: float = setting(0.0, baseline=True, after_prefill=True, bounds=(0, math.inf, "a finite number >= 0"))
+    seed: int = setting(0, baseline=True, bounds=(0, SEED_LIMIT - 1, "in [0, 2**32)"))
+    batch_size: int = setting(1, in_id=False, report="ignored", bounds=COUNT)
+    pool_pages: int | None = setting(None, after_prefill=True, report="variant", bounds=TOKENS)
     dtype: str = setting("auto", baseline=True)
     device: str = setting("auto", report="ignored")
     out: str = setting("runs", in_id=False, after_prefill=True, report="ignored")
@@ -118,19 +124,9 @@ class RunConfig:
         choice("wandb", self.wandb, WANDB_MODES)
         choice("dtype", self.dtype, DTYPES)
         choice("kernels", self.kernels, KERNEL_MODES)
-        for name in ("block_size", "chunk_size", "samples", "length", "batch_size"):
-            if getattr(self, name) < 1:
-                raise EvalkitError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.pool_pages is not None and self.pool_pages < 1:
-            raise EvalkitError(f"pool-pages must be >= 1, got {self.pool_pages}")
-        for name in ("length", "block_size", "chunk_size", "pool_pages"):
-            if (getattr(self, name) or 0) >= TOKEN_LIMIT:
-                raise EvalkitError(f"{name.replace('_', '-')} {getattr(self, name)} is more than any model's "
-                                   "window (the limit is 2**31)")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise EvalkitError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 <= self.seed < SEED_LIMIT:
-            raise EvalkitError(f"seed must be in [0, 2**32), got {self.seed}")
+        for f in fields(self):
+            if "bounds" in f.metadata and getattr(self, f.name) is not None:
+                _check_bounds(f.name, getattr(self, f.name), *f.metadata["bounds"])
         check_device(self.device)
         self._check_budget()
         if is_data_task(self.task):
@@ -143,6 +139,7 @@ class RunConfig:
     def _check_budget(self) -> None:
         policy = self.make_policy()  # the granularity and policy args checked here
         refuse_contradiction(self.policy, self.granularity)
+        policy.check_fits(self.length)
         policy.check_budget(self.budget, self.block_size, self.length)
 
     def make_policy(self):
@@ -206,6 +203,18 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_bounds(name: str, value, low, high, said: str) -> None:
+    """One line when `value` is outside [low, high]: `said` is what a value above exceeds ("more than ..."),
+    or how the whole range reads."""
+    flag = name.replace("_", "-")
+    inside = low <= value <= high and (not isinstance(value, float) or math.isfinite(value))
+    if inside:
+        return
+    if said.startswith("more than"):
+        raise EvalkitError(f"{flag} must be >= {low}, got {value}" if value < low else f"{flag} {value} is {said}")
+    raise EvalkitError(f"{flag} must be {said}, got {value}")
 
 
 def fields_where(**role) -> tuple[str, ...]:

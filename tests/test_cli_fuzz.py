@@ -107,7 +107,9 @@ RUN_OPTIONS = {
     "--task": value("ruler:niah_single_2", "niah", "ppl", "jsonl:{root}/data.jsonl", "jsonl:{root}/nope.jsonl",
                     "{root}/data.jsonl", "hf:nope:test", "ruler:nope"),
     "--task-arg": value("lengths=1k,2k", "depths=0,50", "lengths=" + "9" * 400, "depths=500", "max_new_tokens=4"),
-    "--policy-arg": value("window=64", "sink_tokens=4", "window=x", "nope=1", "kernel=5", "sink_tokens"),
+    "--policy-arg": value("window=64", "sink_tokens=4", "window=x", "nope=1", "kernel=5", "sink_tokens",
+                          "window=" + "9" * 30, "window=1000000000", "kernel=" + "9" * 400, "sink_tokens=" + "9" * 30,
+                          "alpha_safeguard=1e308", "recent=-1e308", "min_pages=" + "9" * 30, "beta=" + "9" * 30),
     "--length": value("300", "2048", "9000", "1000000000"),
     "--samples": value("1", "3", "0"),
     "--format": value("kvpress", "ruler", "auto"),
@@ -151,7 +153,7 @@ BENCH_OPTIONS = {
 }
 MODEL_ARGS = {
     "policy": value("h2o_head", "snapkv", "nope"), "budget": value("0.2", "1e-300", "2.5"),
-    "granularity": value("head", "head_page", "row"), "policy_args": value("window:64;kernel:5", "window", "x:1"),
+    "granularity": value("head", "head_page", "row"), "policy_args": value("window:64;kernel:5", "window", "x:1", "window:" + "9" * 30),
     "block_size": value("16", "0"), "layout": value("paged", "sparse"), "batch_size": value("1", "auto"),
     "seed": value("0", "-1"), "device": value("cpu", "cuda:0", "tpu9"), "dtype": value("auto", "int8"),
     "pretrained": value("smollm2-135m", "{model}", "./missing"), "max_length": value("64", "0"),

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from evalkit.policies.base import POLICIES
+from evalkit.policies.base import POLICIES, arg
 from evalkit.policies.selection import Granularity, select_adaptive
 from evalkit.policies.snapkv import SnapKV
 
@@ -15,7 +15,7 @@ class AdaSnapKV(SnapKV):
     numbers of tokens, and with the paged cache the pages they give up are really freed.
     """
 
-    alpha_safeguard: float = 0.2
+    alpha_safeguard: float = arg(0.2, 0.0, 1.0)
     description = "SnapKV scores; one budget per layer split across KV heads by score (adaptive)"
     scorer = "window attention + pooling, adaptive head budgets"
     paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"

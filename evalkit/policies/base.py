@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.budget import Budget, check_budget
+from evalkit.policies.budget import TOKEN_LIMIT, Budget, check_budget
 from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, Granularity, keep_mask
 from evalkit.registry import Registry
 
@@ -31,6 +31,15 @@ class ScoreInput:
     key_norms: torch.Tensor | None = None  # [B, H_kv, N] float64 L2 norms of the keys; None unless `reads_key_norms`
 
 
+PROMPT = "the prompt"  # a hyper-parameter's upper bound: at most the run's prompt tokens (`check_fits`)
+
+
+def arg(default, low: float, high: float | str = TOKEN_LIMIT - 1):
+    """A hyper-parameter field and its range [low, high], checked by `Policy.check` (`high` = PROMPT:
+    a token count no larger than the prompt, checked by `Policy.check_fits` once the length is known)."""
+    return field(default=default, metadata={"range": (low, high)})
+
+
 @dataclass
 class Policy:
     """Base of every policy. Subclasses set the class attributes and implement `score`.
@@ -45,14 +54,15 @@ class Policy:
     scorer needs a statistic never evicts a token no statistic has seen: the loop protects them.
 
     Dataclass fields other than `granularity` and `name` are the policy's hyper-parameters,
-    settable with `--policy-arg KEY=VALUE` (`arg_aliases` adds short names).
+    settable with `--policy-arg KEY=VALUE` (`arg_aliases` adds short names); each declares its range with
+    `arg(default, low, high)`.
     """
 
     granularity: Granularity = Granularity.HEAD
-    sink_tokens: int = 0  # the first positions, always kept
-    recent_fraction: float = 0.0  # share of the budget (after sinks) given to the most recent tokens
-    recent_tokens: int = 0  # most recent tokens always kept, on top of the fraction (within the budget)
-    observation_window: int = 0  # queries behind a "window" statistic
+    sink_tokens: int = arg(0, 0, PROMPT)  # the first positions, always kept
+    recent_fraction: float = arg(0.0, 0.0, 1.0)  # share of the budget (after sinks) given to the most recent tokens
+    recent_tokens: int = arg(0, 0, PROMPT)  # most recent tokens always kept, on top of the fraction (within the budget)
+    observation_window: int = arg(0, 0, PROMPT)  # queries behind a "window" statistic
     name: str = field(default="", compare=False)
 
     description: ClassVar[str] = ""  # one line for `evalkit policies`
@@ -97,11 +107,20 @@ class Policy:
         return None
 
     def check(self) -> None:
-        """Raise EvalkitError when a hyper-parameter is out of range."""
-        if self.sink_tokens < 0 or self.recent_tokens < 0 or self.observation_window < 0:
-            raise EvalkitError(f"{self.name}: sink_tokens, recent_tokens and observation_window must be >= 0")
-        if not 0 <= self.recent_fraction <= 1:
-            raise EvalkitError(f"{self.name}: recent_fraction must be in [0, 1], got {self.recent_fraction}")
+        """Raise EvalkitError when a hyper-parameter is out of its declared range (`arg`)."""
+        for name, (low, high) in _ranges(self).items():
+            value = getattr(self, name)
+            if not low <= value <= (TOKEN_LIMIT - 1 if high == PROMPT else high):
+                shown = f"in [{low}, --length]" if high == PROMPT else f"in [{low}, {high}]"
+                raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} must be {shown}, got {value}")
+
+    def check_fits(self, length: int) -> None:
+        """Refuse a token-count hyper-parameter larger than a `length`-token prompt (a window of a billion
+        tokens would pool over a billion positions while decoding)."""
+        for name, (_, high) in _ranges(self).items():
+            if high == PROMPT and getattr(self, name) > length:
+                raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} {getattr(self, name)} is more "
+                                   f"than --length {length}: it must be in [{_ranges(self)[name][0]}, {length}]")
 
     def check_budget(self, budget: Budget, block_size: int, length: int) -> None:
         """Refuse a budget that keeps less than one token, or less than one page at a page granularity."""
@@ -171,6 +190,15 @@ def policy_args(policy: Policy) -> dict[str, type]:
     """The hyper-parameters `--policy-arg` may set, with their types."""
     hints = {f.name: type(getattr(policy, f.name)) for f in dataclasses.fields(policy) if f.init}
     return {name: kind for name, kind in hints.items() if name not in ("granularity", "name")}
+
+
+def _ranges(policy: Policy) -> dict[str, tuple]:
+    return {f.name: f.metadata["range"] for f in dataclasses.fields(policy) if "range" in f.metadata}
+
+
+def _arg_name(policy: Policy, name: str) -> str:
+    """The name `--policy-arg` knows a field by: its short alias when it has one."""
+    return next((alias for alias, field_name in policy.arg_aliases.items() if field_name == name), name)
 
 
 def _parse_args(policy: Policy, args: dict[str, str]) -> dict:

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import Policy, ScoreInput, register_presets
+from evalkit.policies.base import Policy, ScoreInput, arg, register_presets
 from evalkit.policies.selection import Granularity
 
 
@@ -17,7 +17,7 @@ class H2O(Policy):
     the number of queries that could see the token (kvpress's ObservedAttention).
     """
 
-    recent_fraction: float = 0.5
+    recent_fraction: float = arg(0.5, 0.0, 1.0)
     normalize: bool = False
     description = "accumulated attention (heavy hitters) + recent window (half the budget)"
     scorer = "accumulated attention"

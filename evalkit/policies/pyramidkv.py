@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import register_presets
+from evalkit.policies.base import arg, register_presets
 from evalkit.policies.snapkv import SnapKV
 
 
@@ -18,7 +18,7 @@ class PyramidKV(SnapKV):
     is plain SnapKV, as kvpress falls back (beta = 20 as in the paper).
     """
 
-    beta: float = 20.0
+    beta: float = arg(20.0, 1.0, 1e6)
     description = "SnapKV scores; per-layer budgets on a linear pyramid above the window, same total"
     scorer = "window attention + pooling, pyramid budgets"
     paper = "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (arXiv:2406.02069)"

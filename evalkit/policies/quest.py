@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import POLICIES, Policy, ScoreInput
+from evalkit.policies.base import POLICIES, Policy, ScoreInput, arg
 from evalkit.policies.selection import Granularity
 
 
@@ -20,8 +20,8 @@ class Quest(Policy):
     """
 
     granularity: Granularity = Granularity.HEAD
-    dense_layers: int = 2
-    min_pages: int = 3
+    dense_layers: int = arg(2, 0)
+    min_pages: int = arg(3, 1)
     description = "no eviction; each decode step attends only to the top pages by query-aware key bounds"
     scorer = "per-page key min/max bound"
     paper = "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference (arXiv:2406.10774)"

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import Policy, ScoreInput, in_position_space, register_presets
+from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, in_position_space, register_presets
 
 
 @dataclass
@@ -19,8 +19,8 @@ class SnapKV(Policy):
     while decoding, as published: decoded tokens are protected, never scored as zero.
     """
 
-    observation_window: int = 32
-    kernel_size: int = 7
+    observation_window: int = arg(32, 1, PROMPT)
+    kernel_size: int = arg(7, 1, PROMPT)
     pooling: str = "max"
     description = "attention from the last 32 prompt queries, max-pooled (k=7) over the prefix; the window kept"
     scorer = "window attention + pooling"
@@ -35,7 +35,7 @@ class SnapKV(Policy):
 
     def check(self) -> None:
         super().check()
-        if self.observation_window < 1 or self.kernel_size < 1 or self.kernel_size % 2 == 0:
+        if self.kernel_size % 2 == 0:
             raise EvalkitError(f"{self.name}: window must be >= 1 and kernel an odd number >= 1")
 
     def score(self, inp: ScoreInput) -> torch.Tensor:

@@ -2,15 +2,15 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import POLICIES, Policy, ScoreInput
+from evalkit.policies.base import PROMPT, POLICIES, Policy, ScoreInput, arg
 
 
 @dataclass
 class StreamingLLM(Policy):
     """Attention sinks plus a recent window (Xiao et al., 2023): the budget is all sinks and window."""
 
-    sink_tokens: int = 4
-    recent_fraction: float = 1.0
+    sink_tokens: int = arg(4, 0, PROMPT)
+    recent_fraction: float = arg(1.0, 0.0, 1.0)
     description = "first 4 tokens (attention sinks) + a recent window filling the rest of the budget"
     scorer = "position only"
     paper = "Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)"

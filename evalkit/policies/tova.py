@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import Policy, ScoreInput, register_presets
+from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, register_presets
 from evalkit.policies.selection import Granularity
 
 
@@ -23,7 +23,7 @@ class TOVA(Policy):
     scorer = "last-query attention"
     paper = "Transformers are Multi-State RNNs (TOVA, arXiv:2401.06104)"
     collect_prefill = collect_decode = "window"
-    observation_window: int = 1
+    observation_window: int = arg(1, 1, PROMPT)
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return inp.attention
