@@ -176,6 +176,15 @@ def policy_label(name: str, granularity: str | None) -> str:
     return f"{name}@{granularity}"
 
 
+def policy_family(name: str, granularity: str | None) -> tuple[str, Granularity]:
+    """(scorer family, granularity) of what runs: `h2o_token` at None is ("h2o", token); `random` at
+    head_page is ("random", head_page)."""
+    canonical = POLICIES.canonical(name)
+    own = POLICIES.create(canonical).granularity
+    run_at = Granularity(granularity) if granularity is not None else own
+    return (_PRESETS[canonical][0] if canonical in _PRESETS else canonical), run_at
+
+
 def refuse_contradiction(name: str, granularity: str | None) -> None:
     """One line when `granularity` contradicts the granularity that preset `name` says (`h2o_token` at head)."""
     canonical = POLICIES.canonical(name)
