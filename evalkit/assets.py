@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
+import zlib
 from pathlib import Path
 
 from evalkit.errors import EvalkitError
@@ -62,6 +64,8 @@ def default_model_dir() -> Path:
     if (target / "config.json").exists():
         return target
     gguf_path = wheel_dir(*_SMOLLM2_WHEEL) / _SMOLLM2_GGUF
+    # transformers is slow to import and converting is done once: the task modules that import this one for its
+    # paths (`evalkit tasks`) never wait for it.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -102,7 +106,7 @@ def austen_dir() -> Path:
     if target.exists():
         return target
     try:
-        import rdata
+        import rdata  # slow to import (pandas, xarray): needed only for the novels, the first time
     except ImportError:
         raise EvalkitError("reading Jane Austen's novels needs the rdata package (pip install rdata)") from None
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,9 +137,6 @@ def austen_dir() -> Path:
 
 def _read_lazy_load_db(rdata, index_path: Path, db_path: Path) -> dict[str, list[str]]:
     """Every object of an R lazy-load database, by name (here: each novel's lines)."""
-    import warnings
-    import zlib
-
     def parse(raw: bytes):
         with warnings.catch_warnings():  # rdata guesses the serialisation's file type and says so
             warnings.simplefilter("ignore")

@@ -25,8 +25,9 @@ from evalkit.cache import KVCache
 from evalkit.kernels import use_triton
 
 ATTENTION_NAME = "evalkit"
-_ELEMENTS_PER_BLOCK = 1 << 23  # a query block's scores: 32 MiB of float32, as fast as larger blocks here
-_STATISTICS_ELEMENTS = 1 << 20  # a statistics block: 4 MiB of float32, cache-sized (2x faster than 32 MiB here)
+# Block sizes, chosen by timing them (docs/benchmarks-history.md):
+_ELEMENTS_PER_BLOCK = 1 << 23  # a query block's scores: 32 MiB of float32; larger blocks are no faster
+_STATISTICS_ELEMENTS = 1 << 20  # a statistics block: 4 MiB of float32, small enough to stay in the core's cache
 _STATISTICS_TILE = (128, 512)  # (queries, keys) of a causal statistics tile: 0.8 MiB of scores per KV head
 _LOG2_E = 1.4426950408889634
 
@@ -50,7 +51,7 @@ class ForwardPlan:
 
 @dataclass
 class PromptRecord:
-    """What a prompt's forward leaves behind when it is shared by many cells (`shared_prefill.SharedPrefill`):
+    """What a prompt's forward leaves behind when it is shared by many branches (`shared_prefill.SharedPrefill`):
     per layer the K/V the storage would have appended and every statistic in `statistics`."""
 
     statistics: list[tuple[str, int]]  # (collect, window) pairs, e.g. ("attention", 0), ("window", 32)
@@ -58,15 +59,16 @@ class PromptRecord:
 
 
 @dataclass
-class CellPlans:
-    """A forward shared by several cells (`joint_decode`): rows `parts[i][0]` belong to cell i and attend
-    over its own cache with its own plan, exactly as that cell's own forward would."""
+class JointForwardPlan:
+    """One forward shared by several branches decoding together (`loop.joint_decode`): rows `parts[i][0]`
+    belong to branch i and attend over its own cache with its own `ForwardPlan`, exactly as that branch's
+    own forward would."""
 
     parts: list[tuple[slice, ForwardPlan]]
-    seconds: list[float]  # per cell: time spent in its own attention (and statistics), all layers
+    seconds: list[float]  # per branch: time spent in its own attention (and statistics), all layers
 
     @classmethod
-    def of(cls, plans: list[ForwardPlan], rows: list[int]) -> "CellPlans":
+    def of(cls, plans: list[ForwardPlan], rows: list[int]) -> "JointForwardPlan":
         ends = itertools.accumulate(rows)
         return cls([(slice(end - n, end), plan) for end, n, plan in zip(ends, rows, plans)], [0.0] * len(plans))
 
@@ -168,7 +170,7 @@ def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, coun
     q: [B, H_q, T, D]; k, v: [B, H_kv, T, D], the new tokens in order, padding on the left (q_valid).
     Returns out [B, T, H_q, D] and, for every [B, T] bool mask in `counted`, the statistic
     [B, H_kv, T] float32 of `attention_statistics`. The output never depends on which statistics are
-    asked for, nor on the storage, so a prefill shared by many cells equals each cell's own.
+    asked for, nor on the storage, so a prefill shared by many branches equals each branch's own.
     """
     B, H_kv, T = k.shape[0], k.shape[1], k.shape[2]
     k_pos = q_pos.masked_fill(~q_valid, -1)[:, None, :].expand(B, H_kv, T)
@@ -188,7 +190,7 @@ def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, coun
 def causal_statistics(q, k, lse, scaling, counted=()):
     """`attention_statistics` of an unpadded causal prompt, from the attention's own row log-sum-exp
     `lse` [B, H_q, T]: a probability is 2^(log2(e) * (score - lse)), so a tile is one matmul (the
-    row's -lse rides along as one more dimension), one exp2 (twice as fast as exp here) and one sum,
+    row's -lse rides along as one more dimension), one exp2 (faster than exp) and one sum,
     never a softmax. Each statistic is computed on its own, in `causal_tiles` that stay in the core's
     cache, cut to the rows its mask counts (SnapKV's window is one short tile).
     q: [B, H_q, T, D], k: [B, H_kv, T, D]; returns one [B, H_kv, T] float32 per mask in `counted`."""
@@ -294,8 +296,8 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError("the evalkit attention runs only inside evalkit's generation loop")
     plan = evalkit_plan
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(plan, CellPlans):
-        return _cells_attention(module, query, key, value, plan, scaling, sliding_window), None
+    if isinstance(plan, JointForwardPlan):
+        return _joint_attention(module, query, key, value, plan, scaling, sliding_window), None
     if plan.record is not None:
         return _recorded_prompt_attention(module.layer_idx, query, key, value, plan, scaling, sliding_window), None
     layer = plan.cache.layers[module.layer_idx]
@@ -319,14 +321,14 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     return out, None
 
 
-def _cells_attention(module, query, key, value, plans: CellPlans, scaling, sliding_window):
-    """Each cell's rows through its own attention; outputs [B, T, H_q, D] back in row order."""
+def _joint_attention(module, query, key, value, joint: JointForwardPlan, scaling, sliding_window):
+    """Each branch's rows through its own attention; outputs [B, T, H_q, D] back in row order."""
     outs = []
-    for cell, (rows, plan) in enumerate(plans.parts):
+    for branch, (rows, plan) in enumerate(joint.parts):
         begun = time.perf_counter()
         outs.append(_evalkit_attention(module, query[rows], key[rows], value[rows], None, scaling,
                                        evalkit_plan=plan, sliding_window=sliding_window)[0])
-        plans.seconds[cell] += time.perf_counter() - begun
+        joint.seconds[branch] += time.perf_counter() - begun
     return torch.cat(outs)
 
 
@@ -360,6 +362,7 @@ def store_statistic(layer, slots, collect: str, stats, valid) -> None:
 
 def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
     """The Triton path: attention straight from the pages, statistics in a second O(n) pass."""
+    # Triton is optional (CPU installs lack it): the kernels' modules import it, so they load only when one runs.
     from evalkit.kernels.attention_stats import attention_stats
     from evalkit.kernels.paged_attention import paged_attention
 

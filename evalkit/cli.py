@@ -1,4 +1,8 @@
-"""`evalkit` command line. Bad input is one line on stderr and exit code 2."""
+"""`evalkit` command line. Bad input is one line on stderr and exit code 2.
+
+Start-up stays light (typer and rich): a command imports what it runs on (torch, transformers, lm-eval,
+matplotlib: seconds) when it runs, so `evalkit --help` and the listings never wait for the others.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from evalkit.bench import command as bench_command
 from evalkit.errors import EvalkitError
+from evalkit.report import command as report_command
+from evalkit.sweep import command as sweep_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Judge sparse KV-cache policies: quality lost per budget, memory and time saved.")
@@ -64,9 +71,10 @@ def run(
                                        "stored as the `full` run and reused), unless one is already stored."),
 ):
     """Evaluate one policy at one budget on one task; results go to runs/<run_id>/."""
+    # RunConfig and the runner import torch and transformers: imported when `evalkit run` runs (start-up).
+    from evalkit import runner
     from evalkit.config import RunConfig, parse_policy_args, parse_task_args
     from evalkit.integrations import wandb as wandb_mirror
-    from evalkit.runner import run_many
     from evalkit.tasks.custom import is_data_task
 
     if samples is not None and is_data_task(task):
@@ -81,17 +89,12 @@ def run(
                        dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
                        data_format=data_format, metric=metric, limit=limit, offset=offset)
     configs = [config]
-    if baseline and not _has_baseline(config):
-        configs.append(config.full_cache())
-    result = run_many(configs, err, mirror=wandb_mirror)[0]
+    if baseline:
+        config.validate()
+        if config.policy != "full" and runner.find_baseline(config) is None:
+            configs.append(config.full_cache())
+    result = runner.run_many(configs, err, mirror=wandb_mirror)[0]
     _print_result(result)
-
-
-def _has_baseline(config) -> bool:
-    from evalkit.runner import find_baseline
-
-    config.validate()
-    return config.policy == "full" or find_baseline(config) is not None
 
 
 def _print_result(result) -> None:
@@ -141,7 +144,7 @@ def heatmap(
     out_path: str = typer.Option("niah_heatmaps.png", "--out", "-o", help="PNG to write."),
 ):
     """Needle-in-a-haystack heatmaps of niah runs side by side, one per policy and budget, on one colour scale."""
-    from evalkit.report.heatmap import write_side_by_side
+    from evalkit.report.heatmap import write_side_by_side  # matplotlib and numpy: imported here (start-up)
 
     out.print(f"wrote {write_side_by_side(run_dirs, out_path)}")
 
@@ -149,7 +152,7 @@ def heatmap(
 @app.command()
 def policies():
     """List the registered policies."""
-    from evalkit.policies import POLICIES, policy_args
+    from evalkit.policies import POLICIES, policy_args  # torch: imported here (start-up)
 
     table = Table(caption="Exact rules: docs/policies.md. --policy-arg KEY=VALUE sets a hyper-parameter.")
     for column in ("name", "granularity", "saves"):
@@ -173,7 +176,7 @@ def policies():
              add_help_option=False)
 def lm_eval_command(ctx: typer.Context):
     """lm-evaluation-harness tasks under a sparse KV cache (takes lm-eval's own arguments)."""
-    from evalkit.integrations.lm_eval_command import main as lm_eval_main
+    from evalkit.integrations.lm_eval_command import main as lm_eval_main  # lm-eval, torch: here (start-up)
 
     raise typer.Exit(lm_eval_main(ctx.args))
 
@@ -186,7 +189,7 @@ def _wide() -> Console:
 @app.command()
 def tasks():
     """List the registered tasks."""
-    from evalkit.tasks import TASKS
+    from evalkit.tasks import TASKS  # every task module, registering itself: imported here (start-up)
 
     table = Table()
     table.add_column("name", no_wrap=True)
@@ -200,17 +203,15 @@ def tasks():
     _wide().print(table)
 
 
-# Commands that live beside their code (the tools: evalkit.bench, evalkit.sweep, evalkit.report).
-from evalkit.bench import command as bench_command  # noqa: E402
-from evalkit.report import page as report_page  # noqa: E402
-from evalkit.sweep import command as sweep_command  # noqa: E402
-
-for _module in (bench_command, sweep_command, report_page):
+# Commands that live beside their code (the tools: evalkit.bench, evalkit.sweep, evalkit.report), registered
+# after this module's own so that `evalkit --help` lists them in this order.
+for _module in (bench_command, sweep_command, report_command):
     _module.register(app)
 
 
 def main():
-    # The CLI owns the terminal: its own progress bars only, not transformers' loading bars.
+    # The CLI owns the terminal: its own progress bars only, not transformers' loading bars. Imported here,
+    # not at the top: importing evalkit.cli (the tests do) stays free of transformers.
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -220,7 +221,7 @@ def main():
             sys.exit(code)
     except EvalkitError as error:
         err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        sys.exit(getattr(error, "exit_code", 2))  # 1 for results that could not be written (errors.WriteFailed)
     except KeyboardInterrupt:
         err.print("interrupted: finished samples are saved; run the same command again to resume")
         sys.exit(130)

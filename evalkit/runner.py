@@ -1,5 +1,5 @@
 """Evaluations: a task's samples through the generation loop under one policy and budget (`run`),
-or under several at once sharing each sample's prefill (`run_many`: a sweep's cells, a run and
+or under several at once sharing each sample's prefill (`run_many`: a sweep's runs, a run and
 its full-cache baseline), each run in its own folder as if it had run alone.
 
 Everything that can be refused is refused before the run folder exists; a run
@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig, baseline_for, fields_where
 from evalkit.errors import EvalkitError
-from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_cells, score_rolling,
+from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_branches, score_rolling,
                           share_prefill, statistic_key)
 from evalkit.models import load_model, max_positions
 from evalkit.prompt import encode, prompt_length
@@ -59,7 +59,7 @@ class Mirror(Protocol):
 
 def run(config: RunConfig, console: Console | None = None, wandb_mode: str | None = None,
         mirror: Mirror | None = None) -> RunResult:
-    """`wandb_mode`: the W&B mode already decided (a sweep decides once for its cells); None: decided
+    """`wandb_mode`: the W&B mode already decided (a sweep decides once for its runs); None: decided
     here from `config.wandb`. `mirror`: the W&B mirror (`evalkit.integrations.wandb`, as `evalkit run`,
     `sweep` and `lm-eval` pass it); without one nothing is mirrored, and a W&B mode other than off or
     auto is refused."""
@@ -119,7 +119,7 @@ def _wandb_mode(config: RunConfig, decided: str | None, mirror: Mirror | None, s
 
 
 @dataclass
-class _Cell:
+class _RunInProgress:
     """One run of a group: its folder, its generation settings and what it has recorded so far."""
 
     config: RunConfig
@@ -151,7 +151,7 @@ def _run_group(configs: list[RunConfig], mode: str, mirror: Mirror | None, conso
 
 def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirror | None,
                 console: Console) -> list[int]:
-    """Runs the pending cells to completion; returns how many samples each had recorded before."""
+    """Runs every pending run to completion; returns how many samples each had recorded before."""
     say = one_line(console)
     for _, run_dir in pending:
         dropped = run_dir.repair()
@@ -164,55 +164,56 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
         model, tokenizer = load_model(first.model, first.dtype, first.device)
     with console.status(f"building {first.samples} samples of {first.length} tokens"):
         if isinstance(task, Perplexity):
-            plan = _perplexity_plan(task, first, model, tokenizer)
+            evaluation = _perplexity_evaluation(task, first, model, tokenizer)
         else:
-            plan = _generation_plan(task, first, model, tokenizer)
-    cells = []
+            evaluation = _generation_evaluation(task, first, model, tokenizer)
+    runs = []
     for config, run_dir in pending:
         settings = config.generation_settings()
-        cells.append(_Cell(config, run_dir, settings, _provenance(config, settings.policy, model),
-                           run_dir.predictions()))
+        runs.append(_RunInProgress(config, run_dir, settings, _provenance(config, settings.policy, model),
+                                   run_dir.predictions()))
 
-    resumed_from = [len(cell.done) for cell in cells]
-    total = len(plan.samples) * len(cells)
+    resumed_from = [len(ongoing.done) for ongoing in runs]
+    total = len(evaluation.samples) * len(runs)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeRemainingColumn(), console=console, transient=True)
-    label = f"{first.policy} @ {first.budget}" if len(cells) == 1 else f"{len(cells)} runs, one prefill per sample"
+    label = f"{first.policy} @ {first.budget}" if len(runs) == 1 else f"{len(runs)} runs, one prefill per sample"
     with progress:
-        bar = progress.add_task(label, total=total, completed=sum(len(c.done) for c in cells))
-        by_todo: dict[tuple, list[_Cell]] = {}  # cells that resumed at different points share only their common todo
-        for cell in cells:
-            by_todo.setdefault(tuple(s.id for s in plan.samples if s.id not in cell.done), []).append(cell)
+        bar = progress.add_task(label, total=total, completed=sum(len(r.done) for r in runs))
+        # Runs that resumed at different points share only their common todo.
+        by_todo: dict[tuple, list[_RunInProgress]] = {}
+        for ongoing in runs:
+            by_todo.setdefault(tuple(s.id for s in evaluation.samples if s.id not in ongoing.done), []).append(ongoing)
         for todo_ids, group in by_todo.items():
-            todo = [(s, inputs) for s, inputs in zip(plan.samples, plan.inputs) if s.id in set(todo_ids)]
+            todo = [(s, inputs) for s, inputs in zip(evaluation.samples, evaluation.inputs) if s.id in set(todo_ids)]
             batch_size = group[0].config.batch_size
             for start in range(0, len(todo), batch_size):
                 batch = todo[start:start + batch_size]
-                settings = [cell.settings for cell in group]
-                shared = plan.share(batch, settings) if len(group) > 1 else None
-                for cell, records in zip(group, plan.evaluate(batch, settings, shared)):
+                settings = [ongoing.settings for ongoing in group]
+                shared = evaluation.share(batch, settings) if len(group) > 1 else None
+                for ongoing, records in zip(group, evaluation.evaluate(batch, settings, shared)):
                     for record in records:
-                        if not cell.run_dir.config_path.exists():
+                        if not ongoing.run_dir.config_path.exists():
                             # Created with the first finished sample: input refused by the first batch
                             # (an exhausted page pool, say) leaves no run folder behind.
-                            cell.run_dir.start(cell.provenance)
-                        cell.run_dir.append(record)
-                        cell.records.append(record)
+                            ongoing.run_dir.start(ongoing.provenance)
+                        ongoing.run_dir.append(record)
+                        ongoing.records.append(record)
                     progress.advance(bar, len(batch))
 
-    order = {sample.id: i for i, sample in enumerate(plan.samples)}
-    for cell in cells:
-        cell.records.sort(key=lambda r: order.get(r["id"], len(order)))
-        metrics = plan.summarize(cell.records)
+    order = {sample.id: i for i, sample in enumerate(evaluation.samples)}
+    for ongoing in runs:
+        ongoing.records.sort(key=lambda r: order.get(r["id"], len(order)))
+        metrics = evaluation.summarize(ongoing.records)
         if isinstance(task, WritesArtifacts):
             # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
-            task.write_artifacts(cell.records, cell.run_dir.path, cell.provenance["config"])
-        cell.run_dir.finish(metrics)
+            task.write_artifacts(ongoing.records, ongoing.run_dir.path, ongoing.provenance["config"])
+        ongoing.run_dir.finish(metrics)
         if mode != "off" and mirror is not None:
             trouble: list[str] = []
             with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
-                mirror.log_run(mode, cell.run_dir.path, cell.config.run_id(), cell.provenance, metrics,
-                               cell.records, trouble.append)
+                mirror.log_run(mode, ongoing.run_dir.path, ongoing.config.run_id(), ongoing.provenance, metrics,
+                               ongoing.records, trouble.append)
             for line in trouble:
                 say(f"warning: {line}")
     return resumed_from
@@ -231,9 +232,9 @@ class WritesArtifacts(Protocol):
 
 
 @dataclass
-class _Plan:
-    """What a run evaluates and how: the samples, each one's model input, a batch's records under each of
-    some cells' settings (from a shared prefill, if given), the run's metrics; and how to share a batch's
+class _Evaluation:
+    """What a group of runs evaluates and how: the samples, each one's model input, a batch's records under
+    each run's settings (from a shared prefill, if given), a run's metrics; and how to share a batch's
     prefill."""
 
     samples: list[Sample]
@@ -244,7 +245,7 @@ class _Plan:
         lambda batch, settings: None
 
 
-def _generation_plan(task: Task, config: RunConfig, model, tokenizer) -> _Plan:
+def _generation_evaluation(task: Task, config: RunConfig, model, tokenizer) -> _Evaluation:
     """Prompts whose answers are generated and scored by the task."""
     samples = task.samples(prompt_length(tokenizer), config.length, config.samples, config.seed)
     encoded = [encode(tokenizer, sample) for sample in samples]
@@ -261,16 +262,16 @@ def _generation_plan(task: Task, config: RunConfig, model, tokenizer) -> _Plan:
     def requests(batch: list[tuple[Sample, tuple[list[int], list[int]]]]) -> list[Request]:
         return [Request(c, q, s.max_new_tokens) for s, (c, q) in batch]
 
-    def share(batch, cells: list[GenerationSettings]) -> SharedPrefill:
-        statistics = {statistic_key(s.policy, s.policy.collect_prefill) for s in cells} - {None}
-        return share_prefill(model, requests(batch), cells[0].query_aware, statistics)
+    def share(batch, each: list[GenerationSettings]) -> SharedPrefill:
+        statistics = {statistic_key(s.policy, s.policy.collect_prefill) for s in each} - {None}
+        return share_prefill(model, requests(batch), each[0].query_aware, statistics)
 
-    def evaluate(batch, cells: list[GenerationSettings], shared: SharedPrefill | None) -> list[list[dict]]:
+    def evaluate(batch, each: list[GenerationSettings], shared: SharedPrefill | None) -> list[list[dict]]:
         if shared is None:
-            generations = [generate(model, tokenizer, requests(batch), settings) for settings in cells]
-        else:  # the cells decode together (joint_decode)
-            generations = generate_cells(model, tokenizer, requests(batch), cells, shared)
-        return [records(batch, cell) for cell in generations]
+            generations = [generate(model, tokenizer, requests(batch), settings) for settings in each]
+        else:  # the runs decode together, branches of the shared prefill (joint_decode)
+            generations = generate_branches(model, tokenizer, requests(batch), each, shared)
+        return [records(batch, run_generations) for run_generations in generations]
 
     def records(batch, generations) -> list[dict]:
         return [{
@@ -287,10 +288,10 @@ def _generation_plan(task: Task, config: RunConfig, model, tokenizer) -> _Plan:
     def summarize(records: list[dict]) -> dict:
         return {**aggregate(records), "metric": task.metric, "higher_is_better": True}
 
-    return _Plan(samples, encoded, evaluate, summarize, share)
+    return _Evaluation(samples, encoded, evaluate, summarize, share)
 
 
-def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer) -> _Plan:
+def _perplexity_evaluation(task: Perplexity, config: RunConfig, model, tokenizer) -> _Evaluation:
     """Passages of `--length` tokens streamed in chunks; the loss of every token after the first chunk."""
     chunk = config.chunk_size
     if config.length <= chunk:
@@ -304,8 +305,9 @@ def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer) -> _
             raise EvalkitError(f"passage {sample.id} has only {len(ids)} tokens, fewer than --length {config.length}")
         passages.append(ids)
 
-    def evaluate(batch: list[tuple[Sample, list[int]]], cells: list[GenerationSettings], shared: None) -> list[list[dict]]:
-        return [evaluate_one(batch, settings) for settings in cells]
+    def evaluate(batch: list[tuple[Sample, list[int]]], each: list[GenerationSettings],
+                 shared: None) -> list[list[dict]]:
+        return [evaluate_one(batch, settings) for settings in each]
 
     def evaluate_one(batch: list[tuple[Sample, list[int]]], settings: GenerationSettings) -> list[dict]:
         start = time.perf_counter()
@@ -326,7 +328,7 @@ def _perplexity_plan(task: Perplexity, config: RunConfig, model, tokenizer) -> _
     def summarize(records: list[dict]) -> dict:
         return {**aggregate(records), **perplexity_metrics(records), "scored_from": chunk}
 
-    return _Plan(samples, passages, evaluate, summarize)
+    return _Evaluation(samples, passages, evaluate, summarize)
 
 
 def aggregate(records: list[dict]) -> dict:

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from evalkit.bench.command import parse_length
+from evalkit.bench.checks import parse_length
 from evalkit.bench.components import (HeadShape, decode_attention_point, fit_power, prefill_statistics_point,
                                       selection_point, summarise)
-from evalkit.bench.generations import FULL, HF_LOOP, Cell, compare_with_full, grid, targets
+from evalkit.bench.generations import FULL, HF_LOOP, BenchCell, compare_with_full, grid_cells, targets
 from evalkit.bench.isolation import Isolated, PeakMemory
 from evalkit.cli import main
 from evalkit.errors import EvalkitError
@@ -226,7 +226,7 @@ def test_fit_power_recovers_exponents():
 
 
 def test_grid_has_baselines_before_policies_per_length():
-    cells = grid(["h2o_head", "full"], [0.2, 0.5], ["paged", "dense"], [1024, 2048])
+    cells = grid_cells(["h2o_head", "full"], [0.2, 0.5], ["paged", "dense"], [1024, 2048])
     first = cells[:7]
     assert [c.policy for c in first] == [HF_LOOP, FULL, FULL, "h2o_head", "h2o_head", "h2o_head", "h2o_head"]
     assert len(cells) == 2 * (1 + 2 + 2 * 2)  # "full" in --policies is the baseline, not a second row
@@ -234,7 +234,7 @@ def test_grid_has_baselines_before_policies_per_length():
 
 
 def _row(policy, length, layout="paged", budget=0.2, **fields):
-    cell = Cell("hf" if policy == HF_LOOP else "evalkit", policy, budget, layout, length)
+    cell = BenchCell("hf" if policy == HF_LOOP else "evalkit", policy, budget, layout, length)
     base = {"loop": cell.loop, "policy": policy, "budget": budget, "layout": layout, "length": length,
             "key": cell.key, "label": cell.label, "tokens_per_s": 10.0, "decode_step_seconds": 0.1,
             "prefill_seconds": 1.0, "compression_seconds": 0.0, "peak_rss_bytes": 1000, "working_bytes": 100,

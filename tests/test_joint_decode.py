@@ -1,5 +1,5 @@
 """A sweep's cells decoding together (docs/sweeps.md, "Cells decode together"): one forward per step
-for every cell gives each cell, bit for bit, the logits its own forward gives; `generate_cells` gives
+for every cell gives each cell, bit for bit, the logits its own forward gives; `generate_branches` gives
 every cell the generations `generate` gives it; where the probes say rows would not stay apart, the
 cells decode one by one.
 """
@@ -13,7 +13,7 @@ import evalkit.loop.joint_decode as joint_decode
 from evalkit.attention import evalkit_attention
 from evalkit.loop import GenerationSettings, Request, generate, start
 from evalkit.loop.state import forward
-from evalkit.loop.joint_decode import forward_cells, generate_cells
+from evalkit.loop.joint_decode import forward_branches, generate_branches
 from evalkit.policies import make_policy
 from evalkit.loop.shared_prefill import share_prefill, statistic_key
 
@@ -65,7 +65,7 @@ def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arc
         for _ in range(4):  # each step after the previous one's eviction
             tokens = [d.next_tokens() for d in together]
             assert tokens == [d.next_tokens() for d in alone]
-            joint, _ = forward_cells([d.state for d in together], tokens)
+            joint, _ = forward_branches([d.state for d in together], tokens)
             for d, rows, logits in zip(alone, tokens, joint):
                 own, _ = forward(d.state, rows)
                 assert torch.equal(own, logits)
@@ -82,7 +82,7 @@ def test_one_matmul_over_every_cells_rows_would_not_be_exact():
     x = torch.randn(8, 1, linear.in_features, generator=torch.Generator().manual_seed(0))
     own = torch.stack([torch.nn.functional.linear(row, linear.weight) for row in x])  # each cell alone
     assert not torch.equal(linear(x), own)
-    with joint_decode.cellwise_linears(model, 8):
+    with joint_decode.branchwise_linears(model, 8):
         assert torch.equal(linear(x), own)
 
 
@@ -94,9 +94,9 @@ def test_cells_decoded_together_generate_what_each_generates_alone(query_aware, 
     cells = cells_of(query_aware)
     shared = shared_prefill(model, batch, cells, query_aware)
     joint_steps = []
-    monkeypatch.setattr(joint_decode, "forward_cells",
-                        lambda *a: joint_steps.append(len(a[0])) or forward_cells(*a))
-    together = generate_cells(model, None, batch, cells, shared)
+    monkeypatch.setattr(joint_decode, "forward_branches",
+                        lambda *a: joint_steps.append(len(a[0])) or forward_branches(*a))
+    together = generate_branches(model, None, batch, cells, shared)
     assert joint_steps and joint_steps[0] == len(cells)  # the joint path ran
     for settings, cell in zip(cells, together):
         for a, b in zip(generate(model, None, batch, settings, shared=shared), cell):
@@ -113,7 +113,7 @@ def test_a_cells_decode_seconds_are_its_own_work_plus_a_share_of_the_rest():
     cells = cells_of(True)[:6]
     shared = shared_prefill(model, batch, cells, True)
     begun = time.perf_counter()
-    together = generate_cells(model, None, batch, cells, shared)
+    together = generate_branches(model, None, batch, cells, shared)
     wall = time.perf_counter() - begun
     decode = [cell[0].timing["decode_seconds"] for cell in together]
     assert all(s > 0 for s in decode) and sum(decode) <= wall
@@ -132,8 +132,8 @@ def test_a_model_whose_rows_meet_outside_its_linears_decodes_cells_one_by_one(mo
     batch = batch_of(1, torch.Generator().manual_seed(3))
     cells = cells_of(True)[:6]
     shared = shared_prefill(model, batch, cells, True)
-    monkeypatch.setattr(joint_decode, "forward_cells", lambda *a: pytest.fail("cells decoded together"))
-    together = generate_cells(model, None, batch, cells, shared)
+    monkeypatch.setattr(joint_decode, "forward_branches", lambda *a: pytest.fail("cells decoded together"))
+    together = generate_branches(model, None, batch, cells, shared)
     assert joint_decode._VERDICTS[model][("model", 1)] is False
     for settings, cell in zip(cells, together):
         assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \
@@ -142,10 +142,10 @@ def test_a_model_whose_rows_meet_outside_its_linears_decodes_cells_one_by_one(mo
 
 def test_linears_whose_batched_kernel_differs_decode_cells_one_by_one(monkeypatch):
     model = wide_model("llama")
-    exact = joint_decode._cellwise_linear
-    monkeypatch.setattr(joint_decode, "_cellwise_linear", lambda linear, cells, x: exact(linear, cells, x) * (1 + 1e-6))
+    exact = joint_decode._branchwise_linear
+    monkeypatch.setattr(joint_decode, "_branchwise_linear", lambda linear, cells, x: exact(linear, cells, x) * (1 + 1e-6))
     assert not joint_decode._linears_apart(model, 3, 1)
-    monkeypatch.setattr(joint_decode, "_cellwise_linear", exact)
+    monkeypatch.setattr(joint_decode, "_branchwise_linear", exact)
     assert joint_decode._linears_apart(model, 4, 1)
 
 
@@ -160,9 +160,9 @@ def test_cells_whose_caches_do_not_fit_together_decode_in_groups_that_do(monkeyp
         cache_bytes = start(model, None, batch, cells[0], shared=shared).state.cache.storage_bytes()
     monkeypatch.setattr(joint_decode, "_free_memory", lambda device: int(2.5 * cache_bytes / joint_decode._MEMORY_SHARE))
     joint_steps = []
-    monkeypatch.setattr(joint_decode, "forward_cells",
-                        lambda *a: joint_steps.append(len(a[0])) or forward_cells(*a))
-    together = generate_cells(model, None, batch, cells, shared)
+    monkeypatch.setattr(joint_decode, "forward_branches",
+                        lambda *a: joint_steps.append(len(a[0])) or forward_branches(*a))
+    together = generate_branches(model, None, batch, cells, shared)
     assert max(joint_steps) == 2
     for settings, cell in zip(cells, together):
         assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \

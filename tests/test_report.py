@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from evalkit.policies import fraction_of
-from evalkit.report.page import build_report, quality_auc
+from evalkit.report.leaderboard import quality_auc
+from evalkit.report.page import build_report
 from test_sweep import BUDGETS, POLICIES, evalkit, run_folders, swept  # noqa: F401 (swept is a fixture)
 
 

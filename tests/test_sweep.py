@@ -117,19 +117,19 @@ def test_data_options_reach_data_tasks_and_samples_the_registered_ones(tmp_path)
     import typer
 
     from evalkit.cli import app
-    from evalkit.sweep.plan import make_plan, resolve_settings
+    from evalkit.sweep.plan import plan_sweep, resolve_settings
 
     _write_kvpress(tmp_path / "data.jsonl", 5)
     command = typer.main.get_command(app).commands["sweep"]
     ctx = command.make_context("sweep", ["--policies", "h2o_head", "--budgets", "0.5", "--tasks",
                                          f"ruler:niah_single_2,jsonl:{tmp_path / 'data.jsonl'}", "--samples", "3",
                                          "--limit", "2", "--offset", "1", "--out", str(tmp_path / "runs")])
-    plan = make_plan(resolve_settings(ctx, None))
+    plan = plan_sweep(resolve_settings(ctx, None))
     # The same from a file whose keys are flag names (`format`) or RunConfig's (`task_args`).
     config = _config(tmp_path, "sweep.yaml", f"policies: h2o_head\nbudgets: 0.5\ntasks: [ruler:niah_single_2, "
                      f"'jsonl:{tmp_path / 'data.jsonl'}']\nsamples: 3\nlimit: 2\noffset: 1\nformat: kvpress\n"
                      f"out: {tmp_path / 'runs'}\n")
-    from_file = make_plan(resolve_settings(command.make_context("sweep", ["--config", config]), Path(config)))
+    from_file = plan_sweep(resolve_settings(command.make_context("sweep", ["--config", config]), Path(config)))
     assert [c.run_id for c in from_file.cells] == [c.run_id for c in plan.cells]
     by_task = {}
     for cell in plan.cells:

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from evalkit.attention import attention_reference
 from evalkit.bench.isolation import Clock, PeakMemory
+from evalkit.cache import PagedLayer, model_kv_shape
+from evalkit.cache.storage import key_norms_of
+from evalkit.kernels import use_triton
+from evalkit.policies import ScoreInput, make_policy, tokens_for
 
 PREFILL_COLLECTS = (None, "attention", "window")
 SNAPKV_WINDOW = 32
@@ -44,8 +49,6 @@ class HeadShape:
 
     @classmethod
     def of(cls, config, dtype: torch.dtype, device: torch.device) -> "HeadShape":
-        from evalkit.cache import model_kv_shape
-
         _, kv_heads, head_dim = model_kv_shape(config)
         return cls(config.num_attention_heads, kv_heads, head_dim, str(dtype).removeprefix("torch."), str(device))
 
@@ -91,8 +94,6 @@ def _qkv(shape: HeadShape, queries: int, keys: int, generator: torch.Generator):
 
 def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None) -> dict:
     """One layer's prefill attention over n tokens, gathering `collect`; seconds and working memory."""
-    from evalkit.attention import attention_reference
-
     device = torch.device(shape.device)
     q, k, v = _qkv(shape, n, n, torch.Generator().manual_seed(n))
     positions = torch.arange(n, device=device)[None]  # [1, n]
@@ -112,9 +113,6 @@ def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None) -> d
 
 def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -> dict:
     """A policy's `score` and `select` over n slots of one layer, as `compress` runs them."""
-    from evalkit.cache.storage import key_norms_of
-    from evalkit.policies import ScoreInput, make_policy, tokens_for
-
     device = torch.device(shape.device)
     generator = torch.Generator().manual_seed(n)
     policy = make_policy(policy_name)
@@ -138,10 +136,6 @@ def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int)
     """One decode query's attention over a paged layer that saw n tokens and keeps `kept` per KV head
     (a different random set per head, then compacted): on CUDA the Triton kernel reading the pages in
     place, elsewhere the layer's `read()` of its pages and the torch reference, as the loop dispatches."""
-    from evalkit.attention import attention_reference
-    from evalkit.cache import PagedLayer
-    from evalkit.kernels import use_triton
-
     device = torch.device(shape.device)
     generator = torch.Generator().manual_seed(n + kept)
     q, k, v = _qkv(shape, 1, n, generator)
@@ -160,6 +154,7 @@ def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int)
 
     def call():
         if triton:
+            # Triton is optional (CPU installs lack it): its kernels' module loads only where they run.
             from evalkit.kernels.paged_attention import paged_attention
 
             table, size, head_tokens = layer.page_table()
@@ -175,7 +170,7 @@ def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int)
 
 # --- the whole set ------------------------------------------------------------------------------
 
-def plan(sizes: list[int], policies: list[str], budget: float, block_size: int) -> list[tuple]:
+def measurement_points(sizes: list[int], policies: list[str], budget: float, block_size: int) -> list[tuple]:
     """(component, function, args) for every point, given the prompt sizes and the evicting policies."""
     sizes = sorted(set(sizes))
     points = [("prefill_statistics", prefill_statistics_point, (n, collect))

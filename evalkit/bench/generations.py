@@ -1,6 +1,6 @@
 """Speed and memory of the generation loop, one measurement per fresh process.
 
-A *cell* is one (loop, policy, budget, layout, length): the evalkit loop under a policy, or HF
+A *cell* (`BenchCell`) is one (loop, policy, budget, layout, length): the evalkit loop under a policy, or HF
 `generate` as the baseline. `measure_cell` runs in a child process (see `evalkit.bench.isolation`) and returns
 plain numbers; the parent never loads the model.
 
@@ -15,10 +15,9 @@ Memory. The peak resident set of a long-lived process never goes down, so each c
 process, and memory is read in one more generation after the timed ones. Before it, the process
 switches glibc to exact allocation (every block of 1 MiB or more its own mapping, returned to the
 kernel when freed: with glibc's default, adaptive threshold, freed blocks linger in the heap, and
-the full cache's 4k-token generation peaked 367 and then 514 MiB above the model in two processes;
-with exact allocation, 302 MiB both times, but its prefill took 45 s instead of 32 s: hence a
-separate generation),
-returns free heap pages (`malloc_trim`) and resets the kernel's high-water mark
+the same generation peaks at different heights in two processes; exact allocation gives the same peak
+every time but slows the generation down, hence a separate generation: numbers in
+docs/benchmarks-history.md), returns free heap pages (`malloc_trim`) and resets the kernel's high-water mark
 (`/proc/self/clear_refs`, "5"). The peak (VmHWM, tracked by the kernel, no sampling) is then the
 true peak of that generation, and `working` is the peak minus the resident set just before it (the
 loaded, warmed-up model). Without clear_refs, `ru_maxrss` of the fresh process is used and the
@@ -34,9 +33,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from evalkit.bench.isolation import Clock, PeakMemory
 from evalkit.errors import EvalkitError
+from evalkit.loop import GenerationSettings, Request, generate
+from evalkit.models import load_model
+from evalkit.policies import make_policy
+from evalkit.tasks.haystack import haystack_text
 
 HF_LOOP = "hf"
 EVALKIT_LOOP = "evalkit"
@@ -64,7 +68,9 @@ class BenchSettings:
 
 
 @dataclass(frozen=True)
-class Cell:
+class BenchCell:
+    """One measurement of the grid: a loop (evalkit's under a policy, or HF's) at one budget, layout and length."""
+
     loop: str  # EVALKIT_LOOP or HF_LOOP
     policy: str  # FULL for the full cache; HF_LOOP for the baseline
     budget: float | int
@@ -99,8 +105,6 @@ class Prompt:
 
 def bench_prompts(tokenizer, prompt_tokens: int, batch: int) -> list[Prompt]:
     """`batch` prompts of exactly `prompt_tokens` tokens: essay text (RULER's haystack), then a question."""
-    from evalkit.tasks.haystack import haystack_text
-
     question = tokenizer(QUESTION, add_special_tokens=False).input_ids
     context_tokens = prompt_tokens - len(question)
     if context_tokens < 1:
@@ -126,10 +130,7 @@ def eos_disabled(model):
 
 # --- one generation -----------------------------------------------------------------------------
 
-def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: Cell, clock: Clock) -> dict:
-    from evalkit.loop import GenerationSettings, Request, generate
-    from evalkit.policies import make_policy
-
+def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: BenchCell, clock: Clock) -> dict:
     marks: list[tuple[str, object]] = []
     storage = {}
 
@@ -175,8 +176,6 @@ def _evalkit_once(model, prompts: list[Prompt], settings: BenchSettings, cell: C
 
 
 def _hf_once(model, prompts: list[Prompt], settings: BenchSettings, clock: Clock) -> dict:
-    from transformers import LogitsProcessor, LogitsProcessorList
-
     class MarkEachStep(LogitsProcessor):
         """Called once per generated token, right after the forward that produced its logits."""
 
@@ -212,11 +211,9 @@ def _hf_once(model, prompts: list[Prompt], settings: BenchSettings, clock: Clock
 
 # --- one cell, in its own process ---------------------------------------------------------------
 
-def measure_cell(settings: BenchSettings, cell: Cell) -> dict:
+def measure_cell(settings: BenchSettings, cell: BenchCell) -> dict:
     """Warm up, time `settings.repeats` generations of `cell`, then one more for its peak memory; medians,
     peaks and bytes. Run it isolated: it changes how the process allocates."""
-    from evalkit.models import load_model
-
     model, tokenizer = load_model(settings.model, settings.dtype, settings.device)
     clock, memory = Clock(model.device), PeakMemory(model.device)
     prompt_tokens = cell.length - settings.new_tokens
@@ -237,7 +234,7 @@ def measure_cell(settings: BenchSettings, cell: Cell) -> dict:
     return summarise(cell, runs, memory.read(), str(model.device), torch.get_num_threads())
 
 
-def summarise(cell: Cell, runs: list[dict], memory: dict, device: str, threads: int) -> dict:
+def summarise(cell: BenchCell, runs: list[dict], memory: dict, device: str, threads: int) -> dict:
     """One row: medians over the repeats (decode step: over every step of every repeat), bytes, peaks."""
     last = runs[-1]
 
@@ -273,15 +270,15 @@ def summarise(cell: Cell, runs: list[dict], memory: dict, device: str, threads: 
 
 # --- the grid and the comparisons -----------------------------------------------------------------
 
-def grid(policies: list[str], budgets: list, layouts: list[str], lengths: list[int],
-         granularities: list[str | None] = (None,)) -> list[Cell]:
+def grid_cells(policies: list[str], budgets: list, layouts: list[str], lengths: list[int],
+               granularities: list[str | None] = (None,)) -> list[BenchCell]:
     """Per length: HF's baseline, the full cache on every layout, then every policy × granularity × budget ×
     layout (granularity None: the policy's own)."""
     cells = []
     for length in lengths:
-        cells.append(Cell(HF_LOOP, HF_LOOP, 1.0, "hf", length))
-        cells += [Cell(EVALKIT_LOOP, FULL, 1.0, layout, length) for layout in layouts]
-        cells += [Cell(EVALKIT_LOOP, policy, budget, layout, length, granularity)
+        cells.append(BenchCell(HF_LOOP, HF_LOOP, 1.0, "hf", length))
+        cells += [BenchCell(EVALKIT_LOOP, FULL, 1.0, layout, length) for layout in layouts]
+        cells += [BenchCell(EVALKIT_LOOP, policy, budget, layout, length, granularity)
                   for policy in policies if policy != FULL for granularity in granularities
                   for budget in budgets for layout in layouts]
     return cells

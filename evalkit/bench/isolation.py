@@ -14,6 +14,9 @@ it. Without clear_refs, `ru_maxrss` of the fresh process is used and the method 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import importlib.util
 import multiprocessing
 import re
 import resource
@@ -22,6 +25,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
+
 
 class Isolated:
     """Runs each call in a fresh process, forked from a server that has already imported torch,
@@ -49,8 +54,6 @@ class Isolated:
 
 
 def _in_child(threads: int, fn, *args):
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # the parent's progress bar owns the terminal
     if threads:
         torch.set_num_threads(threads)
@@ -59,8 +62,6 @@ def _in_child(threads: int, fn, *args):
 
 def model_module(config) -> str | None:
     """The transformers module of a config's architecture (slow to import: worth preloading), if any."""
-    import importlib.util
-
     name = f"transformers.models.{config.model_type}.modeling_{config.model_type}"
     try:
         return name if importlib.util.find_spec(name) else None
@@ -127,9 +128,6 @@ def _exact_allocation() -> None:
     """glibc: blocks >= 1 MiB mapped on their own and unmapped when freed (a fixed threshold also
     stops glibc from raising it as blocks are freed), and free heap pages returned now, so the
     resident set follows live memory. Elsewhere nothing changes and peaks may include free heap."""
-    import ctypes
-    import ctypes.util
-
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallopt(_M_MMAP_THRESHOLD, _EXACT_THRESHOLD)

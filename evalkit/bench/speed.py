@@ -20,7 +20,10 @@ Four measurements (docs/benchmarks.md, "The main job's speed"), each interleaved
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,11 +32,21 @@ import time
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, Qwen2Config
 
+from evalkit.attention import causal_tiles
+from evalkit.bench.checks import items, parse_length
 from evalkit.bench.generations import bench_prompts, eos_disabled
+from evalkit.config import RunConfig
+from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate, share_prefill
-from evalkit.models import load_model
+from evalkit.models import load_model, model_config
 from evalkit.policies import make_policy
+from evalkit.results import check_writable_folder, package_versions, write_json_atomic
+from evalkit.runner import run, run_many
 
 MEASURES = ("loop", "overhead", "statistics", "sweep")
 
@@ -86,8 +99,6 @@ def measure_loop(model_name: str, lengths: list[int], repeats: int) -> list[dict
 
 
 def tiny_qwen2():
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -124,8 +135,6 @@ def measure_overhead(repeats: int) -> list[dict]:
 def operator_calls(fn) -> int:
     """How many ATen operators one call of `fn` runs (nested calls included): unlike its time, the same
     on a busy machine, so a decode step's overhead can be compared between commits anywhere."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::"))
@@ -154,8 +163,6 @@ def measure_statistics(model_name: str, lengths: list[int], repeats: int) -> lis
 def causal_scores_alone(config, length: int):
     """The least an exact pass after the attention must do for H2O's column sums: every layer's
     causal (query, key) scores, in `causal_statistics`' tiles and shapes, and nothing else."""
-    from evalkit.attention import causal_tiles
-
     H_q, H_kv = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // H_q
     G = H_q // H_kv
@@ -172,8 +179,6 @@ def causal_scores_alone(config, length: int):
 
 
 def sweep_configs(out: Path, samples: int, model: str, length: int):
-    from evalkit.config import RunConfig
-
     grid = [RunConfig(policy=p, budget=b, samples=samples, model=model, length=length, out=str(out), wandb="off")
             for p in SWEEP_POLICIES for b in SWEEP_BUDGETS]
     return [grid[0].full_cache()] + grid
@@ -192,10 +197,6 @@ def _peak_rss_of(code: str) -> int:
 
 
 def measure_sweep(model_name: str, length: int, samples: int) -> list[dict]:
-    from rich.console import Console
-
-    from evalkit.runner import run, run_many
-
     quiet = Console(stderr=True, quiet=True)
     with tempfile.TemporaryDirectory() as scratch:
         shared_out, alone_out = Path(scratch, "shared"), Path(scratch, "alone")
@@ -254,8 +255,6 @@ _BASELINE = {"loop": ("HF generate", "hf_seconds", "evalkit_seconds"),
 
 def speed_table(rows: list[dict], title: str):
     """A rich table: one line per measured ratio, with its baseline, its target and whether it is met."""
-    from rich.table import Table
-
     table = Table(title=title, title_justify="left")
     for column in ("measure", "case", "baseline", "baseline value", "evalkit", "ratio", "target"):
         table.add_column(column, justify="right" if column in ("baseline value", "evalkit", "ratio") else "left")
@@ -275,3 +274,42 @@ def speed_table(rows: list[dict], title: str):
         table.add_row(row["measure"], case, baseline, _shown(row, base_key), _shown(row, own_key),
                       f"{row['ratio']:.2f}", row["target"])
     return table
+
+
+# --- the command (`evalkit bench --speed`) ------------------------------------------------------------
+
+def run_measurements(names: str, model: str, lengths: str, repeats: int, threads: int, samples: int,
+                     out_dir: str) -> None:
+    """The measurements `names` (comma-separated from MEASURES, or "all"), options checked first:
+    `<out_dir>/speed.json` and a table."""
+    only = list(MEASURES) if names.strip() == "all" else items(names, "speed")
+    unknown = [name for name in only if name not in MEASURES]
+    if unknown:
+        raise EvalkitError(f"unknown --speed measurement {unknown[0]!r}; choose from {', '.join(MEASURES)} "
+                           "or all")
+    for name, value in (("repeats", repeats), ("samples", samples)):
+        if value < 1:
+            raise EvalkitError(f"{name} must be >= 1, got {value}")
+    if threads < 0:
+        raise EvalkitError(f"threads must be >= 0 (0: one per core), got {threads}")
+    length_values = sorted(set(parse_length(t) for t in items(lengths, "lengths")))
+    limit = getattr(model_config(model), "max_position_embeddings", None)
+    if limit and length_values[-1] > limit:
+        raise EvalkitError(f"length {length_values[-1]} exceeds the {limit} positions of {model}")
+    check_writable_folder(out_dir, "--out")
+    if threads:
+        torch.set_num_threads(threads)
+    err, out = Console(stderr=True), Console(width=max(Console().width, 150))
+    started = datetime.datetime.now().isoformat("T", "seconds")
+    with err.status("speed") as status:
+        rows = measure(only, model, length_values, repeats, samples,
+                       lambda name: status.update(f"speed: {name} (see docs/benchmarks.md)"))
+    document = {"command": shlex.join(["evalkit", *sys.argv[1:]]), "started": started, "model": model,
+                "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg(),
+                "versions": package_versions(("torch", "transformers", "evalkit")), "rows": rows}
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / "speed.json", document)
+    out.print(speed_table(rows, f"evalkit bench --speed · {document['threads']} torch threads · "
+                                f"medians of {repeats}"))
+    out.print(f"results: {folder / 'speed.json'}")

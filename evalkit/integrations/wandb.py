@@ -114,9 +114,16 @@ def log_run(mode: str, run_dir: Path, run_id: str, config: dict, metrics: dict, 
     return _never_fatal(f"run {run_id}", warn, lambda: _log_run(mode, run_dir, run_id, config, metrics, records))
 
 
-def _log_run(mode: str, run_dir: Path, run_id: str, config: dict, metrics: dict, records: list[dict]) -> str:
+def _wandb():
+    """The wandb package. Imported only when something is logged: it is slow to import, and a run or sweep
+    with W&B off never needs it."""
     import wandb
 
+    return wandb
+
+
+def _log_run(mode: str, run_dir: Path, run_id: str, config: dict, metrics: dict, records: list[dict]) -> str:
+    wandb = _wandb()
     # The group, when a sweep runs this, comes from WANDB_RUN_GROUP (set by the sweep, read by W&B).
     run = wandb.init(project=os.environ.get("WANDB_PROJECT", "evalkit"), name=run_id, id=run_id,
                      config=config, dir=str(run_dir), mode=mode, resume="allow", reinit="finish_previous",
@@ -141,8 +148,7 @@ def log_sweep(mode: str, sweep_dir: Path, sweep_id: str, config: dict, rows: lis
 
 def _log_sweep(mode: str, sweep_dir: Path, sweep_id: str, config: dict, rows: list[dict],
                charts: dict[str, LineSeries], summary: dict) -> str:
-    import wandb
-
+    wandb = _wandb()
     run = wandb.init(project=os.environ.get("WANDB_PROJECT", "evalkit"), name=sweep_id, id=sweep_id,
                      group=sweep_id, job_type="sweep", config=config, dir=str(sweep_dir), mode=mode,
                      resume="allow", reinit="finish_previous", settings=wandb.Settings(silent=True))
@@ -161,15 +167,13 @@ def _log_sweep(mode: str, sweep_dir: Path, sweep_id: str, config: dict, rows: li
 
 
 def _table(records: list[dict]):
-    import wandb
-
     columns = sorted({key for record in records for key in record})
     rows = [[_cell(r.get(c)) for c in columns] for r in records]
     for i in range(len(columns)):  # W&B wants one type per column: a mixed column becomes text
         if len({type(row[i]) for row in rows if row[i] is not None}) > 1:
             for row in rows:
                 row[i] = None if row[i] is None else str(row[i])
-    return wandb.Table(columns=columns, data=rows)
+    return _wandb().Table(columns=columns, data=rows)
 
 
 def _cell(value):

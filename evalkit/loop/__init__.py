@@ -3,17 +3,17 @@
 Modules, each importing only those above it in this list:
 - `state`: settings, requests, generations, the loop's state and its one `forward`;
 - `compression`: a batch's budgets (`Budgets`), the slots a policy keeps, eviction;
-- `shared_prefill`: one prefill forked into several (policy, budget) cells;
+- `shared_prefill`: one prefill forked into several branches (a branch: one settings' policy, budget, ...);
 - `generate`: prefill, then decode (`generate`, `start`, `Decoding`);
-- `joint_decode`: a sweep's cells decoding together, one forward per step;
+- `joint_decode`: branches decoding together, one forward per step;
 - `teacher_forcing`: log-probabilities through the same cache (lm-eval, perplexity).
 """
 
 from evalkit.loop.generate import generate, start
-from evalkit.loop.joint_decode import generate_cells
+from evalkit.loop.joint_decode import generate_branches
 from evalkit.loop.shared_prefill import SharedPrefill, share_prefill, statistic_key
 from evalkit.loop.state import Generation, GenerationSettings, Request
 from evalkit.loop.teacher_forcing import Score, ScoreRequest, score_continuations, score_rolling
 
 __all__ = ["Generation", "GenerationSettings", "Request", "Score", "ScoreRequest", "SharedPrefill", "generate",
-           "generate_cells", "score_continuations", "score_rolling", "share_prefill", "start", "statistic_key"]
+           "generate_branches", "score_continuations", "score_rolling", "share_prefill", "start", "statistic_key"]

@@ -63,7 +63,7 @@ def _stop_text(text: str, stops: tuple[str, ...]) -> str | None:
 class Decoding:
     """One batch under one policy and budget, from the end of its prefill to its last token.
 
-    `generate` steps one; `joint_decode.generate_cells` steps several (a sweep's cells) through one
+    `generate` steps one; `joint_decode.generate_branches` steps several (branches of a shared prefill) through one
     forward per step. A step: `next_tokens` picks each sequence's token from the last logits (None once
     every sequence is done), the caller feeds them, `advance` takes the new logits and evicts down to
     `caps` [L, B] (decode eviction).
@@ -125,7 +125,7 @@ class Decoding:
 def generate(model, tokenizer, requests: list[Request], settings: GenerationSettings,
              observe: Observer | None = None, shared: SharedPrefill | None = None) -> list[Generation]:
     """Generate answers for a batch of requests under one policy and budget; with `shared`, from a
-    prefill of the same requests shared with other cells (full prefill only)."""
+    prefill of the same requests shared with other branches (full prefill only)."""
     with evalkit_attention(model):
         run = start(model, tokenizer, requests, settings, observe, shared)
         begun = time.perf_counter()
@@ -153,7 +153,7 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     state = new_state(model, settings, budgets.lengths, budgets.caps, extra + max_new, observe,
                       with_cache=not forks_compressed)
     state.collect = policy.collect_prefill if budgets.any_evicting else None
-    if forks_compressed:  # the cell's cache receives only what compression keeps (`SharedPrefill.fork_compressed`)
+    if forks_compressed:  # the branch's cache receives only what compression keeps (`SharedPrefill.fork_compressed`)
         logits = shared.fork_compressed(state, budgets.caps, extra + max_new)
     else:
         logits = prefill(state, compressed, appended, budgets.caps, decode_collect, shared)

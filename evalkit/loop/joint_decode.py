@@ -1,16 +1,15 @@
-"""A sweep's cells decoding together: one forward per step for every cell.
+"""Branches decoding together: one forward per step for every branch.
 
-The cells of a sweep (policy, budget, ...) decode the same prompts from their own caches after a
-shared prefill (`shared_prefill`). Their weights are the same, so `generate_cells` feeds every
-cell's next tokens through one forward: each cell's rows attend over its own cache with its own
-plan (`attention.CellPlans`), and every `nn.Linear` computes a cell's rows as one entry of a
-batched matmul, or for a few cells as its own product (`cellwise_linears`) — bit for bit what the
-cell's own forward computes, where one matmul over all cells' rows would not be (a row's result
-depends on how many rows the kernel is given: 25 rows at once differ from one at a time in the last
-bits). Before cells decode together,
-probes check exactly that on this model, device and shapes (`_model_rows_apart`, `_linears_apart`);
-where they fail (rows that meet outside `nn.Linear`, a device whose batched kernels differ) cells
-decode one by one.
+A *branch* is one `GenerationSettings` (policy, budget, ...) continuing a shared prefill
+(`shared_prefill`): a sweep's runs on the same prompts decode from their own caches. Their weights are
+the same, so `generate_branches` feeds every branch's next tokens through one forward: each branch's
+rows attend over its own cache with its own plan (`attention.JointForwardPlan`), and every `nn.Linear`
+computes a branch's rows as one entry of a batched matmul, or for a few branches as its own product
+(`branchwise_linears`) — bit for bit what the branch's own forward computes, where one matmul over all
+branches' rows would not be (a row's result depends on how many rows the kernel is given: 25 rows at
+once differ from one at a time in the last bits). Before branches decode together, probes check
+exactly that on this model, device and shapes (`_model_rows_apart`, `_linears_apart`); where they fail
+(rows that meet outside `nn.Linear`, a device whose batched kernels differ) branches decode one by one.
 """
 
 from __future__ import annotations
@@ -20,36 +19,36 @@ import functools
 import time
 import weakref
 
+import psutil
 import torch
 
-from evalkit.attention import CellPlans, evalkit_attention
+from evalkit.attention import JointForwardPlan, evalkit_attention
 from evalkit.loop.generate import Decoding, start
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.state import Generation, GenerationSettings, Request, fed, forward, forward_inputs
 
-# model -> {("model", rows per cell) or ("linears", cells, rows per cell): bool}, probed once each
+# model -> {("model", rows per branch) or ("linears", branches, rows per branch): bool}, probed once each
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Cells decode together only as many as their caches fit in this share of the memory free at the start.
+# Branches decode together only as many as their caches fit in this share of the memory free at the start.
 _MEMORY_SHARE = 0.5
 
 
 @torch.inference_mode()
-def generate_cells(model, tokenizer, requests: list[Request], cells: list[GenerationSettings],
-                   shared: SharedPrefill) -> list[list[Generation]]:
-    """`generate(model, tokenizer, requests, settings, shared=shared)` for every settings in `cells`,
+def generate_branches(model, tokenizer, requests: list[Request], branches: list[GenerationSettings],
+                      shared: SharedPrefill) -> list[list[Generation]]:
+    """`generate(model, tokenizer, requests, settings, shared=shared)` for every settings in `branches`,
     the same generations, decoded together: all of them, or as many at a time as their caches fit in
-    half the free memory. A cell's `decode_seconds`
-    is the time of its own work (token choice, attention, eviction) plus an even share of each joint
-    forward's rest."""
-    joint_possible = len(cells) > 1 and _model_rows_apart(model, len(requests))
+    half the free memory. A branch's `decode_seconds` is the time of its own work (token choice,
+    attention, eviction) plus an even share of each joint forward's rest."""
+    joint_possible = len(branches) > 1 and _model_rows_apart(model, len(requests))
     allowance = _MEMORY_SHARE * _free_memory(model.device)
     generations: list[list[Generation]] = []
     with evalkit_attention(model):
-        runs = [start(model, tokenizer, requests, cells[0], shared=shared)]  # its cache sizes the groups
+        runs = [start(model, tokenizer, requests, branches[0], shared=shared)]  # its cache sizes the groups
         size = max(1, int(allowance // max(1, runs[0].state.cache.storage_bytes())))
-        for first in range(0, len(cells), size):
+        for first in range(0, len(branches), size):
             runs += [start(model, tokenizer, requests, settings, shared=shared)
-                     for settings in cells[first + len(runs):first + size]]
+                     for settings in branches[first + len(runs):first + size]]
             generations += _decode_together(runs, joint_possible, len(requests))
             runs = []  # a group's caches go before the next group's come
     return generations
@@ -68,11 +67,11 @@ def _decode_together(runs: list[Decoding], joint_possible: bool, batch: int) -> 
         active = [i for i in active if tokens[i] is not None]
         if joint_possible and len(active) > 1 and _linears_apart(model, len(active), batch):
             begun = time.perf_counter()
-            logits, own = forward_cells([runs[i].state for i in active], [tokens[i] for i in active])
+            logits, own = forward_branches([runs[i].state for i in active], [tokens[i] for i in active])
             rest = (time.perf_counter() - begun - sum(own)) / len(active)
-            for i, cell_logits, own_seconds in zip(active, logits, own):
+            for i, branch_logits, own_seconds in zip(active, logits, own):
                 begun = time.perf_counter()
-                runs[i].advance(cell_logits)
+                runs[i].advance(branch_logits)
                 seconds[i] += own_seconds + rest + time.perf_counter() - begun
             continue
         for i in active:
@@ -87,27 +86,25 @@ def _free_memory(device: torch.device) -> int:
     """Bytes free for new tensors: the GPU's free memory, or the machine's available memory."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    import psutil
-
     return psutil.virtual_memory().available
 
 
-@torch.no_grad()  # not inference mode: what it writes into the cells' caches stays usable outside it
-def forward_cells(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:
-    """One forward feeding cell i (`states[i]`) its rows `tokens[i]`, one token each: each cell's
+@torch.no_grad()  # not inference mode: what it writes into the branches' caches stays usable outside it
+def forward_branches(states, tokens: list[list[list[int]]]) -> tuple[list[torch.Tensor], list[float]]:
+    """One forward feeding branch i (`states[i]`) its rows `tokens[i]`, one token each: each branch's
     last-token logits [B, V] as its own `forward` gives them, and the seconds each spent in its
     own attention."""
     inputs = [forward_inputs(state, rows) for state, rows in zip(states, tokens)]
-    plans = CellPlans.of([plan for _, _, plan, _ in inputs], [len(rows) for rows in tokens])
+    joint = JointForwardPlan.of([plan for _, _, plan, _ in inputs], [len(rows) for rows in tokens])
     model = states[0].model
-    with cellwise_linears(model, len(states)):
+    with branchwise_linears(model, len(states)):
         out = model(input_ids=torch.cat([ids for ids, _, _, _ in inputs]),
                     position_ids=torch.cat([positions for _, positions, _, _ in inputs]),
-                    use_cache=False, logits_to_keep=1, evalkit_plan=plans)
+                    use_cache=False, logits_to_keep=1, evalkit_plan=joint)
     for state, (_, _, _, counts) in zip(states, inputs):
         fed(state, counts)
     logits = out.logits[:, -1].float().cpu()
-    return [logits[rows] for rows, _ in plans.parts], plans.seconds
+    return [logits[rows] for rows, _ in joint.parts], joint.seconds
 
 
 def _linears(model) -> list[torch.nn.Linear]:
@@ -115,13 +112,13 @@ def _linears(model) -> list[torch.nn.Linear]:
 
 
 @contextlib.contextmanager
-def cellwise_linears(model, cells: int):
-    """Inside the block, every plain `nn.Linear` of `model` splits its input's rows into `cells` equal
+def branchwise_linears(model, branches: int):
+    """Inside the block, every plain `nn.Linear` of `model` splits its input's rows into `branches` equal
     groups, in order, and computes each group as one entry of a batched matmul (each on its own for up to
-    `_OWN_PRODUCTS_UP_TO` cells)."""
+    `_OWN_PRODUCTS_UP_TO` branches)."""
     linears = _linears(model)
     for linear in linears:
-        linear.forward = functools.partial(_cellwise_linear, linear, cells)
+        linear.forward = functools.partial(_branchwise_linear, linear, branches)
     try:
         yield
     finally:
@@ -129,44 +126,46 @@ def cellwise_linears(model, cells: int):
             del linear.forward
 
 
-# A weight larger than this is read in chunks of `_CHUNK_OUTPUTS` output features, each staying in the
-# cache while every cell reads it (the default model's 113 MB head: 146 -> 62 ms for 25 cells here).
+# Both thresholds were chosen by timing them (docs/benchmarks-history.md).
+# A weight larger than this (the default model's output head) is read in chunks of `_CHUNK_OUTPUTS` output
+# features: each chunk stays in the core's cache while every branch reads it, instead of the whole weight
+# being read from memory once per branch.
 _CACHED_WEIGHT_BYTES = 16 << 20
 _CHUNK_OUTPUTS = 512
-# Up to this many cells, each cell's own product (`F.linear` of its rows: what its own forward computes)
-# is faster than one batched matmul on 2 CPU threads: for 3 cells, the default model's 30 layers' weights
-# 41.5 against 47.0 ms, its head 9.3 against 11.2 ms (by hand); from 4 cells on the batched matmul
-# breaks even or wins (8 cells, the layers: 71.2 against 77.6 ms).
+# Up to this many branches, each branch's own product (`F.linear` of its rows: what its own forward
+# computes) is faster than one batched matmul on a 2-core CPU; from 4 branches on the batched matmul
+# breaks even or wins.
 _OWN_PRODUCTS_UP_TO = 3
 
 
-def _cellwise_linear(linear: torch.nn.Linear, cells: int, x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(cells, -1, x.shape[-1])  # [cells, rows of a cell, in]
+def _branchwise_linear(linear: torch.nn.Linear, branches: int, x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(branches, -1, x.shape[-1])  # [branches, rows of a branch, in]
     weight, bias = linear.weight.t(), linear.bias  # [in, out], a view
-    if cells <= _OWN_PRODUCTS_UP_TO:  # F.linear's own products (mm, or addmm with a bias), written in place
-        out = x.new_empty(cells, rows.shape[1], weight.shape[1])
-        for cell in range(cells):
+    if branches <= _OWN_PRODUCTS_UP_TO:  # F.linear's own products (mm, or addmm with a bias), written in place
+        out = x.new_empty(branches, rows.shape[1], weight.shape[1])
+        for branch in range(branches):
             if bias is None:
-                torch.mm(rows[cell], weight, out=out[cell])
+                torch.mm(rows[branch], weight, out=out[branch])
             else:
-                torch.addmm(bias, rows[cell], weight, out=out[cell])
+                torch.addmm(bias, rows[branch], weight, out=out[branch])
         return out.view(*x.shape[:-1], -1)
     outputs = weight.shape[1]
     chunk = _CHUNK_OUTPUTS if weight.numel() * weight.element_size() > _CACHED_WEIGHT_BYTES else outputs
     parts = []
     for first in range(0, outputs, chunk):
-        part = weight[:, first:first + chunk].expand(cells, -1, -1)  # [cells, in, chunk], never copied
+        part = weight[:, first:first + chunk].expand(branches, -1, -1)  # [branches, in, chunk], never copied
         if bias is None:
             parts.append(torch.bmm(rows, part))
         else:
-            parts.append(torch.baddbmm(bias[first:first + chunk].expand(cells, rows.shape[1], -1), rows, part))
+            parts.append(torch.baddbmm(bias[first:first + chunk].expand(branches, rows.shape[1], -1), rows,
+                                       part))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
     return out.view(*x.shape[:-1], -1)
 
 
 def _model_rows_apart(model, batch: int) -> bool:
-    """Probe (once per model and batch): two cells' one-token rows, through the model's own attention,
-    jointly and one cell at a time. Fails where rows meet outside plain `nn.Linear` (GPT-2's Conv1D, a
+    """Probe (once per model and batch): two branches' one-token rows, through the model's own attention,
+    jointly and one branch at a time. Fails where rows meet outside plain `nn.Linear` (GPT-2's Conv1D, a
     linear wrapped by hooks)."""
     verdicts = _VERDICTS.setdefault(model, {})
     key = ("model", batch)
@@ -176,7 +175,7 @@ def _model_rows_apart(model, batch: int) -> bool:
         else:
             ids = (torch.arange(2 * batch) * 7919 % model.config.vocab_size)[:, None].to(model.device)
             with torch.inference_mode():
-                with cellwise_linears(model, 2):
+                with branchwise_linears(model, 2):
                     joint = model(input_ids=ids, use_cache=False).logits
                 own = torch.cat([model(input_ids=ids[:batch], use_cache=False).logits,
                                  model(input_ids=ids[batch:], use_cache=False).logits])
@@ -184,21 +183,21 @@ def _model_rows_apart(model, batch: int) -> bool:
     return verdicts[key]
 
 
-def _linears_apart(model, cells: int, batch: int) -> bool:
-    """Probe (once per model, cell count and batch): each linear shape's batched matmul against its own
-    per-cell product, on random rows."""
+def _linears_apart(model, branches: int, batch: int) -> bool:
+    """Probe (once per model, branch count and batch): each linear shape's batched matmul against its own
+    per-branch product, on random rows."""
     verdicts = _VERDICTS.setdefault(model, {})
-    key = ("linears", cells, batch)
+    key = ("linears", branches, batch)
     if key not in verdicts:
         shapes = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): m for m in _linears(model)}
         generator = torch.Generator().manual_seed(0)
-        verdicts[key] = all(_linear_apart(linear, cells, batch, generator) for linear in shapes.values())
+        verdicts[key] = all(_linear_apart(linear, branches, batch, generator) for linear in shapes.values())
     return verdicts[key]
 
 
-def _linear_apart(linear: torch.nn.Linear, cells: int, batch: int, generator: torch.Generator) -> bool:
-    x = torch.randn(cells, batch, linear.in_features, generator=generator).to(linear.weight)
+def _linear_apart(linear: torch.nn.Linear, branches: int, batch: int, generator: torch.Generator) -> bool:
+    x = torch.randn(branches, batch, linear.in_features, generator=generator).to(linear.weight)
     with torch.inference_mode():
-        own = torch.stack([torch.nn.functional.linear(x[c], linear.weight, linear.bias) for c in range(cells)])
-        joint = _cellwise_linear(linear, cells, x.view(cells * batch, 1, -1)).view(cells, batch, -1)
+        own = torch.stack([torch.nn.functional.linear(x[b], linear.weight, linear.bias) for b in range(branches)])
+        joint = _branchwise_linear(linear, branches, x.view(branches * batch, 1, -1)).view(branches, batch, -1)
     return torch.equal(own, joint)

@@ -1,13 +1,15 @@
-"""One prefill of a batch's prompts, shared by every (policy, budget) cell of a sweep.
+"""One prefill of a batch's prompts, shared by every branch: each (policy, budget, ...) settings that
+continues it, such as the runs of a sweep.
 
 In full-prefill mode the prompt's forward pass does not depend on the policy (a layer's first
 tokens attend to themselves the same way whatever the storage or statistic:
 `evalkit.attention.prompt_attention`), so `share_prefill` runs it once, recording each layer's K/V
-and every statistic the cells need, and `generate(..., shared=)` gives each cell the cache its own forward and compression would
-have left: a cell whose prompt is compressed whole (query-aware, the usual case) chooses its tokens on a
-copy of the prompt stored once for every cell of its layout, and its own cache receives only the tokens it
-keeps (`SharedPrefill.fork_compressed`); a cell whose question is appended after compression stores the
-whole prompt, compresses it and goes on as its own run would (`SharedPrefill.fork_into`).
+and every statistic the branches need, and `generate(..., shared=)` gives each branch the cache its own
+forward and compression would have left: a branch whose prompt is compressed whole (query-aware, the
+usual case) chooses its tokens on a copy of the prompt stored once for every branch of its layout, and
+its own cache receives only the tokens it keeps (`SharedPrefill.fork_compressed`); a branch whose
+question is appended after compression stores the whole prompt, compresses it and goes on as its own
+run would (`SharedPrefill.fork_into`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def statistic_key(policy: Policy, collect: str | None) -> tuple[str, int] | None
 
 @dataclass
 class SharedPrefill:
-    """One full prefill of a batch's compressed prompts, forked into any number of (policy, budget) cells."""
+    """One full prefill of a batch's compressed prompts, forked into any number of branches."""
 
     compressed: list[list[int]]  # the prompts prefilled, as `split_prompts` gives them
     record: PromptRecord
@@ -60,9 +62,9 @@ class SharedPrefill:
         return self.logits.clone()
 
     def fork_compressed(self, state: LoopState, caps: torch.Tensor, after_prefill: torch.Tensor) -> torch.Tensor:
-        """`fork_into`, `compress` to `caps` [L, B] and compaction, for a cell with no cache yet,
+        """`fork_into`, `compress` to `caps` [L, B] and compaction, for a branch with no cache yet,
         without storing what compression drops: the policy chooses on the prompt as `fork_into` would have
-        stored it (kept here, shared by every cell of the same storage shape), and the cell's new cache,
+        stored it (kept here, shared by every branch of the same storage shape), and the branch's new cache,
         sized for what it keeps plus `after_prefill` [B], receives the kept tokens in their order, as
         compaction would have left them. The last logits."""
         valid, positions = self._positions(state)

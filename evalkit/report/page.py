@@ -4,75 +4,43 @@ Runs are compared within a *setting* (task, length, samples, model, seed, temper
 task settings: everything that makes the prompts and the reference answers), along a
 *series* (the policy plus any way of running it that differs across the runs: granularity,
 policy hyper-parameters, layout, block size, prefill, query-aware, decode eviction, page pool). Each run's full-cache
-reference is the `full` run of its setting that shares the most of those ways of running.
+reference is the `full` run of its setting that shares the most of those ways of running, and each
+series gets its area under the quality-vs-budget curve (`evalkit.report.leaderboard.quality_auc`).
 
-Area under the quality-vs-budget curve (the headline number): with x the budget as a fraction
-of the prompt (a token budget counts as budget / mean prompt tokens, at most 1) and y the
-score, the trapezoid integral of the series' points over [x_lo, 1] divided by (1 - x_lo),
-where x_lo is the smallest budget any series of the setting was run at. A series without a
-run at budget 1 ends at the full-cache score there (budget 1 keeps every token). So the AUC
-is the mean score over the budget range, in score units; a series with no run at x_lo gets
-none, since its area would not be comparable.
+The page: the leaderboard (`evalkit.report.leaderboard`), the plots of each setting
+(`evalkit.report.plots` draws what `_lines` and `_block_size_lines` choose), the runs' heatmaps and
+first predictions, from `assets/index.html.j2`; the command is `evalkit.report.command`.
 """
 
 from __future__ import annotations
 
 import base64
-import csv
 import json
 import math
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
-import typer
+import jinja2
+import plotly.offline
+from markupsafe import Markup
 
 from evalkit.config import baseline_for, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies import fraction_of
 from evalkit.policies.base import policy_label
+from evalkit.report import plots as draw
+from evalkit.report.leaderboard import AUC_DEFINITION, COLUMNS, display, leaderboard_rows, quality_auc, write_csv
+from evalkit.results import RunDir, check_writable_folder, read_json
 
 _PREDICTIONS_SHOWN = 20
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s")  # metrics the report computes with, when present
 _GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "quality-vs-block-size-*.png", "heatmap-*.png")
-
-
-def register(app: typer.Typer) -> None:
-    """Adds `evalkit report` to the command line."""
-    app.command("report")(report)
-
-
-def report(
-    runs: Path = typer.Argument(Path("runs"), help="Results folder to read."),
-    output: Path = typer.Option(Path("report"), "-o", "--output", help="Folder for index.html, PNGs and CSV."),
-):
-    """Leaderboard and plots (quality vs budget, memory vs quality, NIAH heatmaps) as one offline HTML page."""
-    from rich.console import Console
-
-    written = build_report(runs, output)
-    console = Console(soft_wrap=True, highlight=False)
-    console.print(f"report: {written.index}")
-    console.print(f"{written.runs} runs, {written.plots} plots, {written.heatmaps} heatmaps; "
-                  "leaderboard.csv and PNG copies of the plots beside it")
-    for reason in written.skipped:
-        console.print(f"left out: {reason}")
-
-
-# ---- numbers ----------------------------------------------------------------------------------------------
-
-def quality_auc(points: list[tuple[float, float]], start: float, full_score: float | None) -> float | None:
-    """Normalised area under (budget fraction, score) over [start, 1]; see the module docstring."""
-    points = sorted(points)
-    if full_score is not None and not any(math.isclose(x, 1.0) for x, _ in points):
-        points.append((1.0, full_score))
-    if not points or not math.isclose(points[0][0], start) or not math.isclose(points[-1][0], 1.0):
-        return None
-    if math.isclose(start, 1.0):
-        return points[-1][1]
-    area = sum((x1 - x0) * (y0 + y1) / 2 for (x0, y0), (x1, y1) in zip(points, points[1:]))
-    return area / (1.0 - start)
 
 
 # ---- reading the store --------------------------------------------------------------------------------------
@@ -107,9 +75,6 @@ class Entry:
 def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
     """Complete runs with a score under `runs`, and why others were left out (naming the file at fault).
     Everything the report shows is read here, before anything is written."""
-    from evalkit.errors import EvalkitError
-    from evalkit.results import RunDir, read_json
-
     entries, skipped = [], []
     for metrics_path in sorted(Path(runs).glob("*/metrics.json")):
         folder = metrics_path.parent
@@ -211,55 +176,6 @@ def _text(value) -> str:
 
 # ---- writing -------------------------------------------------------------------------------------------------
 
-COLUMNS = [  # (heading, key in a row, display format); the AUC is the headline, first of the numbers
-    ("task", "setting", "text"), ("policy", "series", "text"), ("budget", "budget", "budget"),
-    ("metric", "metric", "text"), ("AUC", "auc", "score"), ("AUC / full", "relative_auc", "pct"),
-    ("score", "score", "score"),
-    ("score / full", "relative_score", "pct"), ("KV held MiB", "mib_held", "num1"),
-    ("KV held / full", "held_over_full", "pct"), ("prefill tok/s", "prefill_tokens_per_s", "num0"),
-    ("decode tok/s", "decode_tokens_per_s", "num1"), ("samples", "samples", "num0"), ("run", "run_id", "text"),
-]
-
-
-def leaderboard_rows(entries: list[Entry]) -> list[dict]:
-    rows = []
-    for e in entries:
-        m = e.metrics
-        rows.append({
-            "setting": e.setting, "task": e.config.get("task"), "length": e.config.get("length"),
-            "series": e.series, "policy": e.config["policy"], "budget": e.config["budget"], "budget_fraction": e.x,
-            "metric": m.get("metric") if m.get("higher_is_better") is False else "score %",
-            "lower_is_better": m.get("higher_is_better") is False,
-            "auc": e.auc, "relative_auc": e.relative(e.auc), "score": m["score"],
-            "relative_score": e.relative(m["score"]), "full_cache_score": e.baseline["score"] if e.baseline else None,
-            "bytes_held": m.get("bytes_held"), "mib_held": m["bytes_held"] / 2**20 if "bytes_held" in m else None,
-            "held_over_full": m.get("held_over_full"), "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
-            "decode_tokens_per_s": m.get("decode_tokens_per_s"), "samples": m.get("samples"), "run_id": e.run_id,
-        })
-    def rank(r):  # best first: the highest AUC, or the lowest where lower is better (perplexity)
-        auc = r["auc"] if r["auc"] is not None else (math.inf if r["lower_is_better"] else -math.inf)
-        return auc if r["lower_is_better"] else -auc
-
-    return sorted(rows, key=lambda r: (r["setting"], rank(r), r["series"], r["budget_fraction"]))
-
-
-def _display(value, kind: str, lower_is_better: bool = False) -> tuple[str, str]:
-    """(text shown, value sorted on): numbers sort numerically, a missing value shows as a dash. A score is a
-    fraction shown in percent, or a perplexity (lower is better) shown as it is."""
-    if value is None:
-        return "—", ""
-    if kind == "score":
-        kind = "num2" if lower_is_better else "pct"
-    if kind == "text":
-        return str(value), str(value)
-    if kind == "pct":
-        return f"{100 * value:.1f}", repr(float(value))
-    if kind == "budget":
-        return str(value), repr(float(value))
-    digits = {"num0": 0, "num1": 1, "num2": 2}[kind]
-    return f"{value:.{digits}f}", repr(float(value))
-
-
 @dataclass
 class Written:
     index: Path
@@ -273,12 +189,6 @@ def build_report(runs: Path, output: Path) -> Written:
     """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv.
     Built in a scratch folder and moved into `output` only when whole (index.html last): a failure leaves
     `output` as it was."""
-    import shutil
-    import tempfile
-
-    from evalkit.errors import EvalkitError
-    from evalkit.results import check_writable_folder
-
     if not Path(runs).is_dir():
         raise EvalkitError(f"no results folder {str(runs)!r}")
     check_writable_folder(output, "-o")
@@ -298,16 +208,8 @@ def build_report(runs: Path, output: Path) -> Written:
 
 
 def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: Path) -> Written:
-    from importlib.resources import files
-
-    import jinja2
-    import plotly.offline
-    from markupsafe import Markup
-
-    from evalkit.report import plots as draw
-
     rows = leaderboard_rows(entries)
-    _write_csv(rows, output / "leaderboard.csv")
+    write_csv(rows, output / "leaderboard.csv")
     settings = list(dict.fromkeys(r["setting"] for r in rows))
     plots = []
     for number, setting in enumerate(settings, 1):
@@ -334,43 +236,25 @@ def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: 
             heatmaps.append({"caption": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id,
                              "data": base64.b64encode(data).decode()})
 
-    table = [[_display(row[key], kind, row["lower_is_better"]) for _, key, kind in COLUMNS] for row in rows]
+    table = [[display(row[key], kind, row["lower_is_better"]) for _, key, kind in COLUMNS] for row in rows]
     template = (files("evalkit.report") / "assets" / "index.html.j2").read_text()
     html = jinja2.Environment(autoescape=True).from_string(template).render(
         columns=[heading for heading, _, _ in COLUMNS], table=table, plots=plots, heatmaps=heatmaps,
         predictions=[_predictions(e) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],
         runs=str(runs), skipped=skipped, plotly_js=Markup(plotly.offline.get_plotlyjs()),
-        auc_definition=_AUC_DEFINITION)
+        auc_definition=AUC_DEFINITION)
     index = output / "index.html"
     index.write_text(html)
     return Written(index, len(entries), len(plots), len(heatmaps), skipped)
 
 
-_AUC_DEFINITION = (
-    "AUC: the area under a policy's quality-vs-budget curve (budget as a fraction of the prompt; a token budget "
-    "counts as budget / mean prompt tokens), trapezoids over [lowest budget of the task, 1], divided by the width "
-    "of that range, so it is the policy's mean score over the budgets. A policy without a run at budget 1 ends at "
-    "the full-cache score there; a policy not run at the task's lowest budget has no AUC. AUC / full divides by "
-    "the full-cache score.")
-
-
 def _predictions(e: Entry) -> dict:
     shown = [{"id": _text(record.get("id")),
-              "score": _display(record.get("score"), "pct")[0] if _is_number(record.get("score")) else "—",
+              "score": display(record.get("score"), "pct")[0] if _is_number(record.get("score")) else "—",
               "prediction": str(record.get("prediction", "")), "references": _text(record.get("references"))}
              for record in e.predictions]
     return {"title": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id, "records": shown,
             "samples": e.metrics.get("samples")}
-
-
-def _write_csv(rows: list[dict], path: Path) -> None:
-    columns = ["task", "length", "setting", "policy", "series", "budget", "budget_fraction", "auc", "relative_auc",
-               "score", "relative_score", "full_cache_score", "bytes_held", "held_over_full",
-               "prefill_tokens_per_s", "decode_tokens_per_s", "samples", "run_id"]
-    with open(path, "w", newline="") as file:
-        writer = csv.DictWriter(file, columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 # ---- what each plot draws (evalkit.report.plots draws it) ----------------------------------------------

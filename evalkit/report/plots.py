@@ -6,14 +6,17 @@ reference (its score; for the memory plot its run), as `evalkit.report.page` cho
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
+
+import matplotlib
+import plotly.graph_objects as go
+from matplotlib.figure import Figure
 
 Lines = dict[str, list]  # label -> runs (evalkit.report.page.Entry), in order along the x axis
 
 
 def block_size_plotly(lines: Lines, full: float | None, setting: str, div_id: str) -> str:
-    import plotly.graph_objects as go
-
     figure = go.Figure()
     for label, members in lines.items():
         figure.add_trace(go.Scatter(
@@ -47,14 +50,10 @@ def block_size_png(lines: Lines, full: float | None, setting: str, path: Path) -
 
 def _label(text: str) -> str:
     """Plotly reads labels as a small subset of HTML; escape so names are shown, never interpreted."""
-    import html
-
     return html.escape(text, quote=False)  # plotly decodes &lt; &gt; &amp; but shows &quot; as is
 
 
 def quality_plotly(lines: Lines, full: float | None, setting: str, div_id: str) -> str:
-    import plotly.graph_objects as go
-
     figure = go.Figure()
     for series, members in lines.items():
         figure.add_trace(go.Scatter(
@@ -71,8 +70,6 @@ def quality_plotly(lines: Lines, full: float | None, setting: str, div_id: str) 
 
 
 def memory_plotly(lines: Lines, full, setting: str, div_id: str) -> str:
-    import plotly.graph_objects as go
-
     figure = go.Figure()
     for series, members in lines.items():
         members = sorted(members, key=lambda e: e.metrics["held_over_full"])
@@ -94,10 +91,6 @@ def memory_plotly(lines: Lines, full, setting: str, div_id: str) -> str:
 
 
 def _axes(title: str):
-    from matplotlib.figure import Figure
-
-    import matplotlib
-
     figure = Figure(figsize=(8, 4.2), dpi=110)  # no pyplot: no global figure state, no GUI backend
     axes = figure.add_subplot()
     axes.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)  # distinct colours for up to 20 policies

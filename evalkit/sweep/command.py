@@ -1,6 +1,6 @@
-"""`evalkit sweep`: the command line over a plan (`evalkit.sweep.plan`) and its engines
-(`evalkit.sweep.engines`): --dry-run prints the cells and what is done, otherwise runs them and prints
-the score grid."""
+"""`evalkit sweep`: the command line over a plan (`evalkit.sweep.plan`), its engines (`evalkit.sweep.engines`)
+and what it prints (`evalkit.sweep.tables`): --dry-run prints the cells and what is done, otherwise runs them
+and prints the score grid."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-
-from evalkit.sweep.engines import run_plan
-from evalkit.sweep.plan import Cell, Plan, make_plan, prefill_notes, resolve_settings, sweep_rows
+from rich.console import Console
 
 
 def register(app: typer.Typer) -> None:
@@ -62,63 +60,14 @@ def sweep(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the cells and what is already done; run nothing."),
 ):
     """Run a grid of policies × budgets × tasks (× lengths) plus each full-cache baseline; resumable."""
-    from rich.console import Console
+    # The plan checks every cell as a RunConfig (torch, transformers): imported when `evalkit sweep` runs, so
+    # that the command line starts without them.
+    from evalkit.sweep import engines, plan as sweep_plan, tables
 
-    plan = make_plan(resolve_settings(ctx, config_file))
+    plan = sweep_plan.plan_sweep(sweep_plan.resolve_settings(ctx, config_file))
     stdout, stderr = Console(), Console(stderr=True)
     if dry_run:
-        _print_plan(plan, stdout)
+        tables.print_plan(plan, stdout)
         return
-    run_plan(plan, stderr)
-    _print_grid(plan, stdout)
-
-
-def _state(plan: Plan, cell: Cell) -> str:
-    from evalkit.results import RunDir
-
-    run_dir = RunDir(plan.out, cell.run_id)
-    if run_dir.complete:
-        return "done"
-    if run_dir.predictions_path.exists():
-        return f"partial ({len(run_dir.predictions())} samples)"
-    return "to run"
-
-
-def _print_plan(plan: Plan, console) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"{plan.sweep_id}: {len(plan.cells)} cells", title_justify="left")
-    for column in ("run id", "task", "length", "policy", "budget", "prefill", "state"):
-        table.add_column(column)
-    notes = prefill_notes(plan)
-    for cell in plan.cells:
-        c = cell.config
-        table.add_row(cell.run_id, c.task, str(c.length), c.policy + (" (baseline)" if cell.baseline else ""),
-                      str(c.budget), notes[cell.run_id], _state(plan, cell))
-    Console(file=console.file, width=max(console.width, 140)).print(table)  # run ids are long: never cut them
-
-
-def _print_grid(plan: Plan, console) -> None:
-    """Score per policy (rows) and budget (columns), one table per task and length."""
-    from rich.table import Table
-
-    rows = sweep_rows(plan)
-    for task in plan.settings["tasks"]:
-        for length in plan.settings["lengths"]:
-            here = [r for r in rows if r["task"] == task and r["length"] == length]
-            if not here:
-                continue
-            full = here[0]["full_cache_score"]
-            console.print(f"[bold]{task} @ {length}[/]: score %, full cache "
-                          + (f"{100 * full:.1f}" if full is not None else "not run"), highlight=False)
-            table = Table()
-            table.add_column("policy")
-            budgets = list(dict.fromkeys(r["budget"] for r in here))
-            for budget in budgets:
-                table.add_column(str(budget), justify="right")
-            for policy in dict.fromkeys(r["policy"] for r in here):
-                by_budget = {r["budget"]: r["score"] for r in here if r["policy"] == policy}
-                table.add_row(policy, *(f"{100 * by_budget[b]:.1f}" if b in by_budget else "" for b in budgets))
-            console.print(table)
-    console.print(f"results: {plan.out}  (report: evalkit report {plan.out})")
+    engines.run_sweep(plan, stderr)
+    tables.print_scores(plan, stdout)

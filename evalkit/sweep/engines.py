@@ -8,25 +8,32 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from evalkit.config import RunConfig
+from evalkit.errors import EvalkitError
 from evalkit.integrations import wandb as wandb_mirror
-from evalkit.sweep.plan import Cell, Plan, cell_summary, prefill_groups, sweep_rows
+from evalkit.report.leaderboard import quality_auc
+from evalkit.results import RunDir, check_writable_folder, write_json_atomic
+from evalkit.runner import one_line, run, run_many
+from evalkit.sweep.plan import SweepCell, SweepPlan, cell_summary, prefill_groups, sweep_rows
 
 # Environment a Ray worker needs to behave like this process (offline hub, W&B mode and group, caches).
 _WORKER_ENV_PREFIXES = ("HF_", "WANDB_", "EVALKIT_", "TRANSFORMERS_", "TRITON_")
 
 
-def run_plan(plan: Plan, console) -> None:
+def run_sweep(plan: SweepPlan, console) -> None:
     """Runs every cell that is not complete, then logs the sweep to W&B; rerunning resumes."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from evalkit.results import RunDir, check_writable_folder, write_json_atomic
-    from evalkit.runner import one_line
-
     check_writable_folder(plan.out, "--out")
+    if plan.engine == "ray":
+        _import_ray(plan.ray_address)  # a missing package is bad input: refused before anything is written
     say = one_line(console)
     mode = wandb_mirror.decide_wandb_mode(plan.settings["wandb"], lambda line: say(f"note: {line}"))
     for cell in plan.cells:  # decided once here, before any work, so no cell can be refused for W&B later
@@ -67,10 +74,8 @@ def _wandb_group(group: str | None):
             os.environ["WANDB_RUN_GROUP"] = previous
 
 
-def _run_local(plan: Plan, cells: list[Cell], console, progress, bar) -> None:
+def _run_local(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) -> None:
     """Cells that share a prefill run together (`runner.run_many`: one prefill per sample for all)."""
-    from evalkit.runner import run_many
-
     todo = {cell.run_id for cell in cells}
     for group in prefill_groups(plan):
         group = [cell for cell in group if cell.run_id in todo]
@@ -85,15 +90,10 @@ def _run_local(plan: Plan, cells: list[Cell], console, progress, bar) -> None:
     progress.update(bar, description="")
 
 
-def _run_on_ray(plan: Plan, cells: list[Cell], console, progress, bar) -> None:
+def _run_on_ray(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) -> None:
     """One Ray task per cell. Workers run in their own scratch space and send the run folder back,
     so the driver's results store fills the same way whether the cluster shares its disk or not."""
-    import logging
-
-    import ray
-
-    from evalkit.errors import EvalkitError
-
+    ray = _import_ray(plan.ray_address)
     env = {k: v for k, v in os.environ.items() if k.startswith(_WORKER_ENV_PREFIXES)}
     started_here = not ray.is_initialized()
     if started_here:
@@ -125,16 +125,29 @@ def _run_on_ray(plan: Plan, cells: list[Cell], console, progress, bar) -> None:
             ray.shutdown()
 
 
+def _import_ray(address: str | None):
+    """The `ray` module, or one line naming the package to install. An address with a scheme (`ray://`;
+    RAY_ADDRESS stands in for none or `auto`, as in `ray.init`) goes through Ray Client, which needs
+    more than the minimal `ray`: grpcio, all that Ray's `client` extra adds. (No square brackets in the
+    message: the CLI prints it as rich markup.) Both are optional packages, imported only here."""
+    try:
+        import ray
+    except ImportError:
+        raise EvalkitError("--engine ray needs the package ray: pip install ray") from None
+    if address in (None, "auto"):
+        address = os.environ.get("RAY_ADDRESS") or address
+    if address and "://" in address:
+        try:
+            import grpc  # noqa: F401  (what ray.init checks for Ray Client)
+        except ImportError:
+            raise EvalkitError(f"the Ray address {address} is reached through Ray Client, which needs the "
+                               f"package grpcio (Ray's client extra): pip install grpcio") from None
+    return ray
+
+
 def run_cell_in_worker(config_fields: dict, partial: dict[str, bytes]) -> dict[str, bytes]:
     """Runs one cell in a scratch folder (seeded with a partial run to resume) and returns the
     run folder's files, relative path -> bytes."""
-    import tempfile
-
-    from rich.console import Console
-
-    from evalkit.config import RunConfig
-    from evalkit.runner import run
-
     with tempfile.TemporaryDirectory(prefix="evalkit-cell-") as scratch:
         config = RunConfig(**{**config_fields, "out": scratch})
         folder = Path(scratch) / config.run_id()
@@ -151,10 +164,8 @@ def run_cell_in_worker(config_fields: dict, partial: dict[str, bytes]) -> dict[s
         return files
 
 
-def _partial_files(out: str, cell: Cell) -> dict[str, bytes]:
+def _partial_files(out: str, cell: SweepCell) -> dict[str, bytes]:
     """A partial run's config and predictions, for a worker to resume (its runner cuts a torn last line)."""
-    from evalkit.results import RunDir
-
     run_dir = RunDir(out, cell.run_id)
     if run_dir.complete or not run_dir.config_path.exists():
         return {}
@@ -167,8 +178,6 @@ def _partial_files(out: str, cell: Cell) -> dict[str, bytes]:
 def store_cell_files(out: str, run_id: str, files: dict[str, bytes]) -> None:
     """Writes a worker's run folder into the store: every file atomically, metrics.json (the mark of
     a complete run) last, so a driver killed midway leaves a partial run that resumes."""
-    from evalkit.results import RunDir, write_json_atomic
-
     run_dir = RunDir(out, run_id)
     files = dict(files)
     metrics = files.pop("metrics.json")
@@ -188,10 +197,8 @@ def _write_bytes_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _log_sweep(plan: Plan, mode: str, sweep_dir: Path, warn) -> None:
+def _log_sweep(plan: SweepPlan, mode: str, sweep_dir: Path, warn) -> None:
     """One sweep-level W&B run: the cells table, quality- and memory-vs-budget lines per task, AUCs."""
-    from evalkit.report.page import quality_auc
-
     rows = sweep_rows(plan)
     charts, summary = {}, {}
     for task in plan.settings["tasks"]:

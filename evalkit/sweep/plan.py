@@ -1,6 +1,7 @@
-"""A sweep's plan: policies × budgets × tasks × lengths as cells, from defaults, a config file and flags.
+"""A sweep's plan (`SweepPlan`): policies × budgets × tasks × lengths as cells, from defaults, a config file
+and flags.
 
-A cell is one RunConfig with its own run folder, keyed by its run id (cells that share their
+A cell (`SweepCell`) is one RunConfig with its own run folder, keyed by its run id (cells that share their
 samples run together through `runner.run_many`, one prefill per sample), so the results store
 gives crash safety for free: a complete run folder (metrics.json present) is skipped and a
 partial one resumes sample by sample. Every (task, length) also gets its full-cache
@@ -12,20 +13,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
-if TYPE_CHECKING:
-    from evalkit.config import RunConfig
+from evalkit.config import RunConfig, baseline_for, parse_policy_args, parse_task_args
+from evalkit.errors import EvalkitError
+from evalkit.models import model_source
+from evalkit.policies import fraction_of, parse_budget
+from evalkit.results import RunDir
+from evalkit.runner import prefill_key
+from evalkit.tasks.custom import is_data_task
 
 ENGINES = ("local", "ray")
 
 
 @dataclass
-class Cell:
+class SweepCell:
+    """One run of the grid (or a full-cache baseline): its config, and so its run id and folder."""
+
     config: RunConfig
     baseline: bool
 
@@ -38,8 +46,10 @@ class Cell:
 
 
 @dataclass
-class Plan:
-    cells: list[Cell]
+class SweepPlan:
+    """Every cell of a sweep, validated, with the settings they came from and how they run."""
+
+    cells: list[SweepCell]
     settings: dict  # the resolved sweep settings, as recorded in sweep.json and W&B
     out: str
     engine: str
@@ -58,14 +68,12 @@ _NOT_SETTINGS = ("config_file", "dry_run")
 
 
 def resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:
-    from evalkit.errors import EvalkitError
-
+    """The sweep's settings: the command's defaults, overridden by the config file, overridden by the flags
+    given."""
     params = {p.name: p for p in ctx.command.params if p.name not in _NOT_SETTINGS}
     settings = {name: value for name, value in ctx.params.items() if name in params}
     if config_file is None:
         return settings
-    from evalkit.config import RunConfig
-
     # A file key is a flag's name (`format`, `block-size`) or its parameter's (`data_format`, `block_size`).
     by_flag = {opt.lstrip("-").replace("-", "_"): name for name, p in params.items() for opt in p.opts}
     spelled = {"task_args": "task_arg", "policy_args": "policy_arg"}  # RunConfig's names -> the flags'
@@ -94,8 +102,6 @@ def resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:
 
 def read_config_file(path: Path) -> dict:
     """A mapping from a .yaml/.yml, .toml or .json file; anything unreadable is one clear error."""
-    from evalkit.errors import EvalkitError
-
     try:
         text = Path(path).read_text()
     except OSError as error:
@@ -103,12 +109,10 @@ def read_config_file(path: Path) -> dict:
     suffix = Path(path).suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            import yaml
+            import yaml  # not a declared dependency (transformers brings it): imported for a YAML file only
 
             data = yaml.safe_load(text)
         elif suffix == ".toml":
-            import tomllib
-
             data = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text)
@@ -126,8 +130,6 @@ def read_config_file(path: Path) -> dict:
 
 
 def _split(value, flag: str) -> list[str]:
-    from evalkit.errors import EvalkitError
-
     items = [item.strip() for item in str(value).split(",") if item.strip()]
     if not items:
         raise EvalkitError(f"--{flag} is empty: give a comma-separated list")
@@ -136,14 +138,8 @@ def _split(value, flag: str) -> list[str]:
 
 # ---- the plan -------------------------------------------------------------------------------------------
 
-def make_plan(settings: dict) -> Plan:
+def plan_sweep(settings: dict) -> SweepPlan:
     """Every cell, validated, before anything runs: bad input never leaves a half-run grid."""
-    from evalkit.config import RunConfig, parse_policy_args, parse_task_args
-    from evalkit.policies import parse_budget
-    from evalkit.errors import EvalkitError
-    from evalkit.models import model_source
-    from evalkit.tasks.custom import is_data_task
-
     settings = dict(settings)
     policies = _split(settings.pop("policies"), "policies")
     budgets = [parse_budget(b) for b in _split(settings.pop("budgets"), "budgets")]
@@ -162,7 +158,7 @@ def make_plan(settings: dict) -> Plan:
     model_source(base["model"])  # a missing local model is refused before the first cell
     _refuse_unused(base, tasks)
 
-    cells: dict[str, Cell] = {}
+    cells: dict[str, SweepCell] = {}
     for task in tasks:
         # --samples sizes registered tasks; --limit/--offset/--format/--metric select from data files.
         unused = _DATA_OPTIONS if not is_data_task(task) else ("samples",)
@@ -173,11 +169,11 @@ def make_plan(settings: dict) -> Plan:
                     for policy in policies for budget in budgets]
             for config, is_baseline in [(baseline, True)] + [(c, False) for c in grid]:
                 config.validate()
-                cells.setdefault(config.run_id(), Cell(config, is_baseline))
+                cells.setdefault(config.run_id(), SweepCell(config, is_baseline))
     grid = [c.config for c in cells.values() if not c.baseline]
     resolved = {"policies": list(dict.fromkeys(c.policy for c in grid)), "budgets": budgets,  # canonical names
                 "tasks": list(dict.fromkeys(c.config.task for c in cells.values())), "lengths": lengths, **base}
-    return Plan(list(cells.values()), resolved, base["out"], engine, ray_address)
+    return SweepPlan(list(cells.values()), resolved, base["out"], engine, ray_address)
 
 
 _DATA_OPTIONS = ("data_format", "metric", "limit", "offset")
@@ -186,9 +182,6 @@ _UNSET_MEANS_DEFAULT = ("samples", *_DATA_OPTIONS)  # None: RunConfig's own defa
 
 def _refuse_unused(base: dict, tasks: list[str]) -> None:
     """An option that applies to none of the grid's tasks is a mistake, as it is for `evalkit run`."""
-    from evalkit.errors import EvalkitError
-    from evalkit.tasks.custom import is_data_task
-
     flags = {"data_format": "format", "metric": "metric", "limit": "limit", "offset": "offset"}
     if not any(is_data_task(t) for t in tasks):
         for name, flag in flags.items():
@@ -200,22 +193,18 @@ def _refuse_unused(base: dict, tasks: list[str]) -> None:
                            "[--offset, --offset + --limit); use --limit N")
 
 
-def prefill_groups(plan: Plan) -> list[list[Cell]]:
+def prefill_groups(plan: SweepPlan) -> list[list[SweepCell]]:
     """The cells that share one prefill per sample (same prompts, full prefill, local engine), in plan
     order; a cell that cannot share (chunked prefill, perplexity, the Ray engine) is a group of its own."""
-    from evalkit.runner import prefill_key
-
-    groups: dict[tuple, list[Cell]] = {}
+    groups: dict[tuple, list[SweepCell]] = {}
     for cell in plan.cells:
         key = prefill_key(cell.config) if plan.engine == "local" else None
         groups.setdefault(key or (cell.run_id,), []).append(cell)
     return list(groups.values())
 
 
-def prefill_notes(plan: Plan) -> dict[str, str]:
+def prefill_notes(plan: SweepPlan) -> dict[str, str]:
     """How each cell's prompts are prefilled, by run id, for --dry-run."""
-    from evalkit.runner import prefill_key
-
     notes = {}
     for group in prefill_groups(plan):
         for cell in group:
@@ -231,18 +220,14 @@ def prefill_notes(plan: Plan) -> dict[str, str]:
 
 # ---- what a sweep reports -----------------------------------------------------------------------------
 
-def cell_summary(cell: Cell) -> dict:
+def cell_summary(cell: SweepCell) -> dict:
     c = cell.config
     return {"run_id": cell.run_id, "task": c.task, "length": c.length, "policy": c.policy, "budget": c.budget,
             "baseline": cell.baseline}
 
 
-def sweep_rows(plan: Plan) -> list[dict]:
+def sweep_rows(plan: SweepPlan) -> list[dict]:
     """One row per complete non-baseline cell: its numbers and its score relative to the full cache."""
-    from evalkit.config import baseline_for
-    from evalkit.policies import fraction_of
-    from evalkit.results import RunDir
-
     baselines = [(cell.config.to_dict(), RunDir(plan.out, cell.run_id).metrics())
                  for cell in sorted(plan.cells, key=lambda cell: cell.run_id)
                  if cell.baseline and RunDir(plan.out, cell.run_id).complete]

@@ -196,7 +196,7 @@ def load_records(dataset: str, data_dir: str | os.PathLike | None = None) -> lis
             raise EvalkitError(f"LongBench {dataset}: no local data and the hub is off ({off} is set); "
                                f"point {DATA_DIR_ENV} at a folder of <name>.jsonl files (LongBench's data.zip)")
         try:
-            import datasets
+            import datasets  # slow to import: only a run that reads the hub needs it (not `evalkit tasks`)
 
             records, where = [dict(r) for r in datasets.load_dataset(HUB_DATASET, dataset, split="test")], HUB_DATASET
         except Exception as error:  # any failure to fetch is the user's environment: one line, not a traceback

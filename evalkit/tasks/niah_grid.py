@@ -200,6 +200,7 @@ class NiahGrid(Task):
 
     def write_artifacts(self, records: list[dict], folder: Path, config: dict) -> list[Path]:
         """The run's heatmap, `folder/heatmap.png`, titled with the run's policy and budget."""
+        # numpy and matplotlib: imported when a run draws, so that registering the task (`evalkit tasks`) stays light
         from evalkit.tasks.niah_heatmap import run_title, write_heatmap
 
         return [write_heatmap(records, folder / "heatmap.png", run_title(config))]

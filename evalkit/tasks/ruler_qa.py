@@ -163,7 +163,7 @@ def _read_hub(dataset: str) -> QaData:
     source = QA_SOURCES[dataset]
     name, config = source.hub
     try:
-        import datasets
+        import datasets  # slow to import: only a run that reads the hub needs it (not `evalkit tasks`)
 
         rows = datasets.load_dataset(name, config, split="validation")
         return source.parse(source.from_hub(rows))

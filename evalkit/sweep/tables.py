@@ -1,0 +1,54 @@
+"""What `evalkit sweep` prints: the plan with each cell's state (--dry-run), and the score grid after a run."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from evalkit.results import RunDir
+from evalkit.sweep.plan import SweepCell, SweepPlan, prefill_notes, sweep_rows
+
+
+def _state(plan: SweepPlan, cell: SweepCell) -> str:
+    run_dir = RunDir(plan.out, cell.run_id)
+    if run_dir.complete:
+        return "done"
+    if run_dir.predictions_path.exists():
+        return f"partial ({len(run_dir.predictions())} samples)"
+    return "to run"
+
+
+def print_plan(plan: SweepPlan, console: Console) -> None:
+    """Every cell: its run id, task, length, policy, budget, how it is prefilled and what is done."""
+    table = Table(title=f"{plan.sweep_id}: {len(plan.cells)} cells", title_justify="left")
+    for column in ("run id", "task", "length", "policy", "budget", "prefill", "state"):
+        table.add_column(column)
+    notes = prefill_notes(plan)
+    for cell in plan.cells:
+        c = cell.config
+        table.add_row(cell.run_id, c.task, str(c.length), c.policy + (" (baseline)" if cell.baseline else ""),
+                      str(c.budget), notes[cell.run_id], _state(plan, cell))
+    Console(file=console.file, width=max(console.width, 140)).print(table)  # run ids are long: never cut them
+
+
+def print_scores(plan: SweepPlan, console: Console) -> None:
+    """Score per policy (rows) and budget (columns), one table per task and length."""
+    rows = sweep_rows(plan)
+    for task in plan.settings["tasks"]:
+        for length in plan.settings["lengths"]:
+            here = [r for r in rows if r["task"] == task and r["length"] == length]
+            if not here:
+                continue
+            full = here[0]["full_cache_score"]
+            console.print(f"[bold]{task} @ {length}[/]: score %, full cache "
+                          + (f"{100 * full:.1f}" if full is not None else "not run"), highlight=False)
+            table = Table()
+            table.add_column("policy")
+            budgets = list(dict.fromkeys(r["budget"] for r in here))
+            for budget in budgets:
+                table.add_column(str(budget), justify="right")
+            for policy in dict.fromkeys(r["policy"] for r in here):
+                by_budget = {r["budget"]: r["score"] for r in here if r["policy"] == policy}
+                table.add_row(policy, *(f"{100 * by_budget[b]:.1f}" if b in by_budget else "" for b in budgets))
+            console.print(table)
+    console.print(f"results: {plan.out}  (report: evalkit report {plan.out})")
