@@ -1,0 +1,118 @@
+"""`evalkit compare`: two run folders (written here by hand) compared sample by sample."""
+
+import json
+import sys
+
+import pytest
+from scipy import stats
+
+from evalkit.cli import main
+
+BASE = {"task": "ruler:niah_single_2", "task_args": {}, "length": 512, "samples": 20, "model": "m", "seed": 0,
+        "temperature": 0.0, "dtype": "auto", "layout": "paged", "query_aware": True, "granularity": None,
+        "block_size": 16, "prefill": "full", "chunk_size": 512, "decode_eviction": True, "pool_pages": None,
+        "policy_args": {}, "data_sha256": None, "data_format": None, "metric": None, "offset": None}
+
+
+def write_run(root, run_id, scores, complete=True, ids=None, **config):
+    folder = root / run_id
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"config": {**BASE, **config}, "run_id": run_id}))
+    ids = ids or [f"s{i}" for i in range(len(scores))]
+    (folder / "predictions.jsonl").write_text("".join(json.dumps({"id": i, "score": float(s)}) + "\n"
+                                                      for i, s in zip(ids, scores)))
+    if complete:
+        (folder / "metrics.json").write_text(json.dumps({"score": sum(scores) / max(1, len(scores)),
+                                                         "samples": len(scores)}))
+    return folder
+
+
+def evalkit(monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["evalkit", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+A = [1] * 16 + [0] * 4  # 80 %
+B = [1] * 2 + [0] * 18  # 10 %: A passes 14 samples B fails, B none that A fails
+
+
+def test_compare_prints_the_paired_difference_and_a_verdict(tmp_path, monkeypatch, capsys):
+    write_run(tmp_path, "a-snapkv_head_page", A, policy="snapkv_head_page", budget=0.1)
+    write_run(tmp_path, "b-snapkv_token", B, policy="snapkv_token", budget=0.1)
+    code, out, err = evalkit(monkeypatch, capsys, "compare", "a-snapkv_head_page", "b-snapkv_token",
+                             "--runs", str(tmp_path))
+    assert code == 0, err
+    p = stats.binomtest(14, 14).pvalue
+    lines = out.splitlines()
+    assert lines[0].startswith("A  a-snapkv_head_page  score 80.0 [")
+    assert "A − B: +70.0 [" in lines[2] and f"exact McNemar p = {p:.3g}" in lines[2]
+    assert "only A better on 14, only B on 0 of 20 samples" in lines[2]
+    assert lines[3] == f"A better, p = {p:.3g}"
+    code, out, _ = evalkit(monkeypatch, capsys, "compare", str(tmp_path / "b-snapkv_token"),
+                           str(tmp_path / "a-snapkv_head_page"), "--json")
+    result = json.loads(out)
+    assert code == 0 and result["verdict"] == f"B better, p = {p:.3g}" and result["p_value"] == pytest.approx(p)
+    assert result["a"]["ci_method"] == "wilson" and result["difference"] == pytest.approx(-0.7)
+
+
+def test_compare_with_the_baseline_finds_the_full_run(tmp_path, monkeypatch, capsys):
+    write_run(tmp_path, "x-h2o_head", [1] * 9 + [0] * 11, policy="h2o_head", budget=0.2)
+    write_run(tmp_path, "x-full-dense", [1] * 19 + [0], policy="full", budget=1.0, layout="dense")
+    write_run(tmp_path, "x-full", [1] * 20, policy="full", budget=1.0)  # ran most alike: the same layout
+    code, out, err = evalkit(monkeypatch, capsys, "compare", "x-h2o_head", "--baseline", "--runs", str(tmp_path),
+                             "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["b"]["run"] == "x-full" and result["only_b"] == 11 and result["only_a"] == 0
+
+
+def test_a_difference_too_small_to_see_says_how_many_samples_would_do(tmp_path, monkeypatch, capsys):
+    write_run(tmp_path, "a", [1] * 3 + [0] * 17, policy="h2o_head", budget=0.2)
+    write_run(tmp_path, "b", [0, 1, 1] + [0] * 16 + [1], policy="h2o_token", budget=0.2)
+    code, out, _ = evalkit(monkeypatch, capsys, "compare", "a", "b", "--runs", str(tmp_path), "--detect", "20")
+    assert code == 0
+    assert out.splitlines()[-1].startswith("no difference detected at n = 20 (p = ")
+    assert out.splitlines()[-1].endswith("samples to detect a 20-point difference")
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                write_run(r, "b", A, policy="h2o_head", budget=0.2, task="ruler:niah_multikey_1")),
+     ["a", "b"], "the runs differ in task"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                write_run(r, "b", A, policy="h2o_head", budget=0.2, length=1024)),
+     ["a", "b"], "the runs differ in length"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                write_run(r, "b", A, ids=[f"t{i}" for i in range(20)], policy="h2o_head", budget=0.2)),
+     ["a", "b"], "the runs hold different samples"),
+    (lambda r: (write_run(r, "a", [], policy="h2o_head", budget=0.2),
+                write_run(r, "b", A, policy="h2o_head", budget=0.2)),
+     ["a", "b"], "run a has no samples"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                write_run(r, "b", A, complete=False, policy="h2o_head", budget=0.2)),
+     ["a", "b"], "run b is not complete (20 samples recorded)"),
+    (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a", "missing"], "no run 'missing'"),
+    (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a", "--baseline"], "no full-cache baseline"),
+    (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a"], "give two runs, or one run and"),
+    (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a", "a", "--detect", "0"],
+     "--detect must be in (0, 100)"),
+])
+def test_runs_that_cannot_be_compared_are_refused_in_one_line(tmp_path, monkeypatch, capsys, make, args, message):
+    make(tmp_path)
+    code, out, err = evalkit(monkeypatch, capsys, "compare", *args, "--runs", str(tmp_path))
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_metric_without_per_sample_values_is_refused(tmp_path, monkeypatch, capsys):
+    write_run(tmp_path, "a", A, policy="h2o_head", budget=0.2)
+    folder = write_run(tmp_path, "b", A, policy="h2o_head", budget=0.2)
+    (folder / "predictions.jsonl").write_text("".join(json.dumps({"id": f"s{i}"}) + "\n" for i in range(20)))
+    code, _, err = evalkit(monkeypatch, capsys, "compare", "a", "b", "--runs", str(tmp_path))
+    assert code == 2 and "run b has no per-sample scores to compare" in err
