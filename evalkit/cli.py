@@ -106,11 +106,13 @@ def _print_result(result) -> None:
         return f"{score:.2f}" if perplexity else f"{100 * score:.1f}"
 
     table = Table(title=f"{result.run_id}  ({m['samples']} samples)", title_justify="left")
-    for column in ("perplexity" if perplexity else "score", "full cache", "KV held/full", "KV held", "kept/head",
-                   "prefill tok/s", "decode tok/s"):
+    for column in ("perplexity" if perplexity else "score", "95% CI", "full cache", "KV held/full", "KV held",
+                   "kept/head", "prefill tok/s", "decode tok/s"):
         table.add_column(column, justify="right")
     table.add_row(
         shown(m["score"]),
+        # Runs recorded before intervals existed have none; a single non-binary sample has none either.
+        f"{shown(m['ci_low'])}–{shown(m['ci_high'])}" if m.get("ci_low") is not None else "-",
         shown(base["score"]) if base else "not run",
         f"{100 * m['held_over_full']:.1f}%",
         f"{m['bytes_held'] / 2**20:.1f} MiB",

@@ -35,6 +35,7 @@ from evalkit.results import RunDir, check_writable_folder, complete_runs, packag
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
+from evalkit.uncertainty import score_interval
 
 _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
 
@@ -286,7 +287,8 @@ def _generation_evaluation(task: Task, config: RunConfig, model, tokenizer) -> _
         } for (sample, _), gen in zip(batch, generations)]
 
     def summarize(records: list[dict]) -> dict:
-        return {**aggregate(records), "metric": task.metric, "higher_is_better": True}
+        return {**aggregate(records), "metric": task.metric, "higher_is_better": True,
+                **score_interval(records).as_metrics()}
 
     return _Evaluation(samples, encoded, evaluate, summarize, share)
 
@@ -326,7 +328,8 @@ def _perplexity_evaluation(task: Perplexity, config: RunConfig, model, tokenizer
         return records
 
     def summarize(records: list[dict]) -> dict:
-        return {**aggregate(records), **perplexity_metrics(records), "scored_from": chunk}
+        return {**aggregate(records), **perplexity_metrics(records), "scored_from": chunk,
+                **score_interval(records).as_metrics()}
 
     return _Evaluation(samples, passages, evaluate, summarize)
 

@@ -116,3 +116,26 @@ def test_a_metric_without_per_sample_values_is_refused(tmp_path, monkeypatch, ca
     (folder / "predictions.jsonl").write_text("".join(json.dumps({"id": f"s{i}"}) + "\n" for i in range(20)))
     code, _, err = evalkit(monkeypatch, capsys, "compare", "a", "b", "--runs", str(tmp_path))
     assert code == 2 and "run b has no per-sample scores to compare" in err
+
+
+def test_the_report_marks_what_differs_from_the_baseline_and_between_granularities(tmp_path):
+    import csv
+
+    from evalkit.report.page import build_report
+
+    runs = tmp_path / "runs"
+    for run_id, scores, policy, budget in (("full", [1] * 20, "full", 1.0), ("hp", A, "h2o_head_page", 0.1),
+                                           ("tok", B, "h2o_token", 0.1), ("snap", B, "snapkv_token", 0.1)):
+        folder = write_run(runs, run_id, scores, policy=policy, budget=budget)
+        metrics = json.loads((folder / "metrics.json").read_text())
+        (folder / "metrics.json").write_text(json.dumps({**metrics, "held_over_full": budget, "bytes_held": 1.0}))
+    build_report(runs, tmp_path / "report")
+    rows = {r["run_id"]: r for r in csv.DictReader((tmp_path / "report" / "leaderboard.csv").open())}
+    # h2o: 3 tests (each granularity against full, and one against the other), Holm-adjusted together.
+    raw = sorted([stats.binomtest(4, 4).pvalue, stats.binomtest(0, 18).pvalue, stats.binomtest(14, 14).pvalue])
+    assert rows["hp"]["significance"] == f"> h2o_token (p = {max(3 * raw[0], 2 * raw[1]):.2g})"
+    assert rows["tok"]["significance"] == (f"≠ full (p = {3 * raw[0]:.2g}); < h2o_head_page "
+                                           f"(p = {max(3 * raw[0], 2 * raw[1]):.2g})")
+    assert float(rows["hp"]["p_vs_full"]) == pytest.approx(raw[2])  # the largest: Holm leaves it as it is
+    assert rows["snap"]["significance"] == f"≠ full (p = {stats.binomtest(0, 18).pvalue:.2g})"  # a family alone
+    assert rows["full"]["significance"] == ""

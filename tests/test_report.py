@@ -56,6 +56,15 @@ def test_report_of_the_sweep_has_every_run_its_numbers_and_plots(sweep_report):
         assert float(row["decode_tokens_per_s"]) == pytest.approx(m["decode_tokens_per_s"])
         if full:
             assert float(row["relative_score"]) == pytest.approx(m["score"] / full)
+        # Every score with its interval (metrics.json's: docs/statistics.md), and its paired tests.
+        assert (float(row["ci_low"]), float(row["ci_high"])) == (m["ci_low"], m["ci_high"])
+        assert m["n"] == m["samples"] and m["ci_method"] == "wilson"  # needles: found or not
+        assert float(row["ci_low"]) <= m["score"] <= float(row["ci_high"])
+        if "-full-" in row["run_id"]:
+            assert row["significance"] == "" and row["p_vs_full"] == ""
+        else:  # tested against the full cache (Holm-adjusted within its policy and budget)
+            assert row["significance"] == "no difference found" or "(p = " in row["significance"]
+            assert 0 < float(row["p_vs_full"]) <= 1
     for policy in POLICIES:  # AUC: trapezoids 0.1 -> 0.3 -> 0.5 -> (1, full cache), width 0.9
         mine = {float(r["budget"]): r for r in rows if r["policy"] == policy}
         s = [float(mine[b]["score"]) for b in BUDGETS]
@@ -138,6 +147,22 @@ def test_report_in_chromium_renders_plots_and_sorts(sweep_report, browser, tmp_p
     # Plotly ran from the inlined bundle: two figures drawn as SVG.
     assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length") >= 2
     assert len(browser.find_elements(By.CSS_SELECTOR, "#leaderboard tbody tr")) == 10
+
+    # Intervals and significance marks are shown: a "95% CI" column (low–high), a "significant" column, and
+    # each quality-vs-budget point's error bar.
+    intervals = browser.execute_script(
+        "var table = document.getElementById('leaderboard');"
+        "var index = Array.prototype.findIndex.call(table.tHead.rows[0].cells, c => c.textContent.trim() === '95% CI');"
+        "return Array.prototype.map.call(table.tBodies[0].rows, r => r.cells[index].textContent.trim());")
+    assert len(intervals) == 10 and all(re.fullmatch(r"\d+\.\d–\d+\.\d", text) for text in intervals), intervals
+    marks = browser.find_elements(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='significant']")
+    assert len(marks) == 1
+    shown = _column(browser, "significant")
+    assert shown.count("") == 1  # the full cache is tested against nothing
+    assert all(text == "no difference found" or "(p = " in text for text in shown if text)
+    bars = browser.execute_script("return document.querySelector('.js-plotly-plot').data"
+                                  ".map(trace => trace.error_y ? trace.error_y.array.length : 0)")
+    assert sum(bars) == 9  # three policies at three budgets
 
     header = browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='score']")
     header.click()

@@ -27,13 +27,15 @@ AUC_DEFINITION = (
 COLUMNS = [  # (heading, key in a row, display format); the AUC is the headline, first of the numbers
     ("task", "setting", "text"), ("policy", "series", "text"), ("budget", "budget", "budget"),
     ("metric", "metric", "text"), ("AUC", "auc", "score"), ("AUC / full", "relative_auc", "pct"),
-    ("score", "score", "score"),
-    ("score / full", "relative_score", "pct"), ("KV held MiB", "mib_held", "num1"),
+    ("score", "score", "score"), ("95% CI", "ci", "ci"),
+    ("score / full", "relative_score", "pct"), ("significant", "significance", "text"),
+    ("KV held MiB", "mib_held", "num1"),
     ("KV held / full", "held_over_full", "pct"), ("prefill tok/s", "prefill_tokens_per_s", "num0"),
     ("decode tok/s", "decode_tokens_per_s", "num1"), ("samples", "samples", "num0"), ("run", "run_id", "text"),
 ]
 _CSV_COLUMNS = ["task", "length", "setting", "policy", "series", "budget", "budget_fraction", "auc", "relative_auc",
-                "score", "relative_score", "full_cache_score", "bytes_held", "held_over_full",
+                "score", "ci_low", "ci_high", "relative_score", "full_cache_score", "p_vs_full", "significance",
+                "bytes_held", "held_over_full",
                 "prefill_tokens_per_s", "decode_tokens_per_s", "samples", "run_id"]
 
 
@@ -65,6 +67,7 @@ def leaderboard_rows(entries: list) -> list[dict]:
             "bytes_held": m.get("bytes_held"), "mib_held": m["bytes_held"] / 2**20 if "bytes_held" in m else None,
             "held_over_full": m.get("held_over_full"), "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
             "decode_tokens_per_s": m.get("decode_tokens_per_s"), "samples": m.get("samples"), "run_id": e.run_id,
+            **_uncertainty(e),
         })
     def rank(r):  # best first: the highest AUC, or the lowest where lower is better (perplexity)
         auc = r["auc"] if r["auc"] is not None else (math.inf if r["lower_is_better"] else -math.inf)
@@ -73,11 +76,24 @@ def leaderboard_rows(entries: list) -> list[dict]:
     return sorted(rows, key=lambda r: (r["setting"], rank(r), r["series"], r["budget_fraction"]))
 
 
+def _uncertainty(e) -> dict:
+    """The run's 95 % interval and its paired tests (docs/statistics.md)."""
+    interval, marks = e.interval, e.marks
+    low, high = (interval.ci_low, interval.ci_high) if interval else (None, None)
+    lower_is_better = e.metrics.get("higher_is_better") is False
+    return {"ci_low": low, "ci_high": high, "ci": (low, high) if low is not None else None,
+            "p_vs_full": marks.vs_full.p_value if marks and marks.vs_full else None,
+            "significance": marks.text(lower_is_better) if marks else None}
+
+
 def display(value, kind: str, lower_is_better: bool = False) -> tuple[str, str]:
     """(text shown, value sorted on): numbers sort numerically, a missing value shows as a dash. A score is a
-    fraction shown in percent, or a perplexity (lower is better) shown as it is."""
+    fraction shown in percent, or a perplexity (lower is better) shown as it is; an interval as low–high."""
     if value is None:
         return "—", ""
+    if kind == "ci":
+        low, high = (display(bound, "score", lower_is_better)[0] for bound in value)
+        return f"{low}–{high}", repr(float(value[0]))
     if kind == "score":
         kind = "num2" if lower_is_better else "pct"
     if kind == "text":

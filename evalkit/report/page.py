@@ -33,8 +33,10 @@ from evalkit.errors import EvalkitError
 from evalkit.policies import fraction_of
 from evalkit.policies.base import policy_label
 from evalkit.report import plots as draw
+from evalkit.report.significance import Marks, significance
 from evalkit.report.leaderboard import AUC_DEFINITION, COLUMNS, display, leaderboard_rows, quality_auc, write_csv
 from evalkit.results import RunDir, check_writable_folder, read_json
+from evalkit.uncertainty import Interval, score_interval
 
 _PREDICTIONS_SHOWN = 20
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
@@ -56,8 +58,11 @@ class Entry:
     setting: str = ""  # label of the comparable group
     series: str = ""  # label of the policy line within it
     baseline: dict | None = None  # metrics of the full-cache reference
+    baseline_entry: "Entry | None" = None  # that reference
     auc: float | None = None
-    predictions: list[dict] = field(default_factory=list)  # the first ones, as shown
+    records: list[dict] = field(default_factory=list)  # every prediction (the first ones are shown)
+    interval: Interval | None = None  # 95 % interval of the score: metrics.json's, or from the records
+    marks: Marks | None = None  # paired tests against the baseline and the other granularities
 
     @property
     def is_full(self) -> bool:
@@ -95,14 +100,27 @@ def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
             skipped.append(f"{folder.name}: {metrics_path} has {', '.join(bad)} that are not finite numbers")
             continue
         try:
-            predictions = RunDir(folder.parent, folder.name).predictions()[:_PREDICTIONS_SHOWN]
+            records = RunDir(folder.parent, folder.name).predictions()
         except EvalkitError as error:
-            predictions = []
+            records = []
             skipped.append(f"{folder.name}: predictions not shown: {error}")
-        entries.append(Entry(str(provenance.get("run_id", folder.name)), folder, config, metrics,
-                             predictions=predictions))
+        entries.append(Entry(str(provenance.get("run_id", folder.name)), folder, config, metrics, records=records,
+                             interval=_interval(metrics, records)))
     _place(entries)
+    marks = significance(entries, lambda e: e.records if e.interval is not None else [], _label,
+                         fields_where(report="variant"))
+    for e in entries:
+        e.marks = marks.get(e.run_id)
     return entries, skipped
+
+
+def _interval(metrics: dict, records: list[dict]) -> Interval | None:
+    """The run's recorded interval; for a run recorded before intervals existed, one from its predictions."""
+    if "ci_method" in metrics:
+        return Interval(**{k: metrics.get(k) for k in Interval.__dataclass_fields__})
+    if records and all(_is_number(r.get("score")) for r in records):
+        return score_interval(records)
+    return None
 
 
 def _is_number(value) -> bool:
@@ -146,9 +164,10 @@ def _place(entries: list[Entry]) -> None:
     for e in entries:
         by_setting.setdefault(_key(e.config, ["task", "length", *setting_keys]), []).append(e)
     for group in by_setting.values():
-        fulls = [(e.config, e.metrics) for e in sorted(group, key=lambda e: e.run_id) if e.is_full]
+        fulls = [(e.config, e) for e in sorted(group, key=lambda e: e.run_id) if e.is_full]
         for e in group:
-            e.baseline = baseline_for(e.config, fulls)
+            e.baseline_entry = baseline_for(e.config, fulls)
+            e.baseline = e.baseline_entry.metrics if e.baseline_entry else None
         policies = [e for e in group if not e.is_full]
         start = min((e.x for e in policies), default=1.0)
         for series in {e.series for e in policies}:
@@ -252,7 +271,7 @@ def _predictions(e: Entry) -> dict:
     shown = [{"id": _text(record.get("id")),
               "score": display(record.get("score"), "pct")[0] if _is_number(record.get("score")) else "—",
               "prediction": str(record.get("prediction", "")), "references": _text(record.get("references"))}
-             for record in e.predictions]
+             for record in e.records[:_PREDICTIONS_SHOWN]]
     return {"title": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id, "records": shown,
             "samples": e.metrics.get("samples")}
 

@@ -53,12 +53,25 @@ def _label(text: str) -> str:
     return html.escape(text, quote=False)  # plotly decodes &lt; &gt; &amp; but shows &quot; as is
 
 
+def _error_bars(members) -> list[list[float]]:
+    """[below, above] in points: each run's 95 % interval around its score (0 where it has none)."""
+    bars = [[], []]
+    for e in members:
+        interval, score = e.interval, 100 * e.metrics["score"]
+        known = interval is not None and interval.ci_low is not None
+        bars[0].append(score - 100 * interval.ci_low if known else 0.0)
+        bars[1].append(100 * interval.ci_high - score if known else 0.0)
+    return bars
+
+
 def quality_plotly(lines: Lines, full: float | None, setting: str, div_id: str) -> str:
     figure = go.Figure()
     for series, members in lines.items():
+        below, above = _error_bars(members)
         figure.add_trace(go.Scatter(
             x=[e.x for e in members], y=[100 * e.metrics["score"] for e in members], mode="lines+markers",
             name=_label(series), customdata=[[_label(e.run_id), e.config["budget"]] for e in members],
+            error_y={"type": "data", "symmetric": False, "array": above, "arrayminus": below, "thickness": 1},
             hovertemplate="budget %{customdata[1]}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
     if full is not None:
         figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
@@ -107,9 +120,11 @@ def _save(figure, axes, path: Path) -> None:
 
 
 def quality_png(lines: Lines, full: float | None, setting: str, path: Path) -> None:
+    """Each run's score with its 95 % interval as an error bar."""
     figure, axes = _axes(f"Quality vs budget: {setting}")
     for series, members in lines.items():
-        axes.plot([e.x for e in members], [100 * e.metrics["score"] for e in members], marker="o", label=series)
+        axes.errorbar([e.x for e in members], [100 * e.metrics["score"] for e in members], yerr=_error_bars(members),
+                      marker="o", capsize=3, label=series)
     if full is not None:
         axes.axhline(100 * full, color="gray", linestyle="--", label="full cache")
     axes.set_xlim(0, 1.02)

@@ -54,7 +54,10 @@ def significance(entries: list, records: Callable[[object], list[dict]], label: 
     for e in entries:
         if e.is_full:
             continue
-        base, _ = policy_family(e.config["policy"], e.config.get("granularity"))
+        try:
+            base, _ = policy_family(e.config["policy"], e.config.get("granularity"))
+        except EvalkitError:  # a policy this evalkit does not know: a family of its own
+            base = str(e.config["policy"])
         others = json.dumps({k: e.config.get(k) for k in variant_keys if k != "granularity"}, sort_keys=True,
                             default=str)
         families.setdefault((e.setting, base, json.dumps(e.config.get("budget")), others), []).append(e)
