@@ -187,6 +187,30 @@ def swept(tmp_path_factory):
     return _killed_and_resumed(tmp_path_factory.getbasetemp() / "sweep")
 
 
+def test_dry_run_says_how_many_samples_each_cell_needs(swept, monkeypatch, capsys, tmp_path):
+    from evalkit.uncertainty import samples_needed
+
+    out = swept["out"]
+    code, plan, err = evalkit(monkeypatch, capsys, "sweep", *GRID, "--out", str(out), "--dry-run", "--detect", "10")
+    assert code == 0, err
+    folders = run_folders(out)
+    (full,) = [f for name, f in folders.items() if "-full-" in name]
+    base = {r["id"]: r["score"] for r in map(json.loads, (full / "predictions.jsonl").read_text().splitlines())}
+    for name, folder in folders.items():
+        (row,) = [line for line in plan.splitlines() if name in line]
+        if folder == full:
+            assert row.rstrip(" │").endswith("-")
+            continue
+        own = [json.loads(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+        disagree = sum(r["score"] != base[r["id"]] for r in own) / len(own)  # the needles: found or not
+        assert row.rstrip(" │").endswith(str(samples_needed(0.10, discordance=disagree or None))), row
+    code, plan, _ = evalkit(monkeypatch, capsys, "sweep", *GRID, "--out", str(tmp_path / "none"), "--dry-run",
+                            "--detect", "20")
+    assert code == 0 and plan.count(f"{samples_needed(0.20)} (default)") == 9  # nothing run: the default
+    code, _, err = evalkit(monkeypatch, capsys, "sweep", *GRID, "--out", str(tmp_path / "none"), "--detect", "20")
+    assert code == 2 and "give it with --dry-run" in err
+
+
 def test_killed_sweep_resumes_to_exactly_the_grid(swept, monkeypatch, capsys):
     out, at_kill, resumed = swept["out"], swept["at_kill"], swept["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -271,7 +295,10 @@ def test_wandb_records_every_cell_and_the_sweep_curves(swept):
         records = list(wandb_records(runs[-1]))
         assert wandb_run(records).run_group == sweep_id
         assert wandb_run(records).run_id == name
-        assert wandb_summary(records)["score"] == pytest.approx(metrics[name]["score"])
+        summary = wandb_summary(records)
+        assert summary["score"] == pytest.approx(metrics[name]["score"])
+        assert (summary["ci_low"], summary["ci_high"], summary["n"]) == \
+            (metrics[name]["ci_low"], metrics[name]["ci_high"], metrics[name]["n"])  # the interval too
         assert list(runs[-1].glob("files/media/table/predictions_*.table.json"))
 
     (sweep_run,) = sweep_dir.glob("wandb/offline-run-*")

@@ -10,6 +10,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from evalkit.errors import EvalkitError
+
 
 def register(app: typer.Typer) -> None:
     """Adds `evalkit sweep` to the command line."""
@@ -58,16 +60,22 @@ def sweep(
                                "per cell (one GPU each where the cluster has GPUs)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join (default: start a local instance)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the cells and what is already done; run nothing."),
+    detect: Optional[float] = typer.Option(None, help="With --dry-run: samples each cell needs to detect this many "
+                                           "points of difference from its full cache (docs/statistics.md)."),
 ):
     """Run a grid of policies × budgets × tasks (× lengths) plus each full-cache baseline; resumable."""
     # The plan checks every cell as a RunConfig (torch, transformers): imported when `evalkit sweep` runs, so
     # that the command line starts without them.
     from evalkit.sweep import engines, plan as sweep_plan, tables
 
+    if detect is not None and not dry_run:
+        raise EvalkitError("--detect says how many samples a sweep needs: give it with --dry-run")
+    if detect is not None and not 0 < detect < 100:
+        raise EvalkitError(f"--detect must be in (0, 100) points, got {detect:g}")
     plan = sweep_plan.plan_sweep(sweep_plan.resolve_settings(ctx, config_file))
     stdout, stderr = Console(), Console(stderr=True)
     if dry_run:
-        tables.print_plan(plan, stdout)
+        tables.print_plan(plan, stdout, detect)
         return
     engines.run_sweep(plan, stderr)
     tables.print_scores(plan, stdout)

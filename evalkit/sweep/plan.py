@@ -64,7 +64,7 @@ class SweepPlan:
 # ---- settings: defaults <- config file <- command-line flags ------------------------------------------
 
 _GRID_KEYS = ("policies", "budgets", "tasks", "length")
-_NOT_SETTINGS = ("config_file", "dry_run")
+_NOT_SETTINGS = ("config_file", "dry_run", "detect")  # how the command runs, not what it runs
 
 
 def resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:

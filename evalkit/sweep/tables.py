@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
+
 from rich.console import Console
 from rich.table import Table
 
 from evalkit.results import RunDir
 from evalkit.sweep.plan import SweepCell, SweepPlan, prefill_notes, sweep_rows
+from evalkit.uncertainty import samples_needed
 
 
 def _state(plan: SweepPlan, cell: SweepCell) -> str:
@@ -18,17 +21,42 @@ def _state(plan: SweepPlan, cell: SweepCell) -> str:
     return "to run"
 
 
-def print_plan(plan: SweepPlan, console: Console) -> None:
-    """Every cell: its run id, task, length, policy, budget, how it is prefilled and what is done."""
+def print_plan(plan: SweepPlan, console: Console, detect: float | None = None) -> None:
+    """Every cell: its run id, task, length, policy, budget, how it is prefilled and what is done; with `detect`
+    (points), the samples it needs to detect that difference from its full cache (`samples_needed`)."""
     table = Table(title=f"{plan.sweep_id}: {len(plan.cells)} cells", title_justify="left")
-    for column in ("run id", "task", "length", "policy", "budget", "prefill", "state"):
+    table.add_column("run id")
+    for column in ("task", "length", "policy", "budget", "prefill", "state"):
         table.add_column(column)
+    if detect is not None:
+        table.add_column(f"samples for {detect:g} points", justify="right")
     notes = prefill_notes(plan)
     for cell in plan.cells:
         c = cell.config
+        needed = [] if detect is None else [_samples_needed(plan, cell, detect / 100)]
         table.add_row(cell.run_id, c.task, str(c.length), c.policy + (" (baseline)" if cell.baseline else ""),
-                      str(c.budget), notes[cell.run_id], _state(plan, cell))
-    Console(file=console.file, width=max(console.width, 140)).print(table)  # run ids are long: never cut them
+                      str(c.budget), notes[cell.run_id], _state(plan, cell), *needed)
+    wide = Console(file=console.file, width=10_000)
+    wide.width = max(console.width, wide.measure(table).maximum)  # run ids are long: never cut a line
+    wide.print(table)
+
+
+def _samples_needed(plan: SweepPlan, cell: SweepCell, detect: float) -> str:
+    """At the disagreement with its full cache observed so far (both runs complete), else at the conservative
+    default (docs/statistics.md)."""
+    if cell.baseline:
+        return "-"
+    own, base = RunDir(plan.out, cell.run_id), RunDir(plan.out, cell.config.full_cache().run_id())
+    if not (own.complete and base.complete):
+        return f"{samples_needed(detect)} (default)"
+    records, by_id = own.predictions(), {r["id"]: r for r in base.predictions()}
+    pairs = [(r["score"], by_id[r["id"]]["score"]) for r in records if r["id"] in by_id]
+    if all(a in (0, 1) and b in (0, 1) for a, b in pairs):
+        observed = sum(a != b for a, b in pairs) / len(pairs) if pairs else None
+        return str(samples_needed(detect, discordance=observed or None))
+    differences = [a - b for a, b in pairs]
+    spread = statistics.stdev(differences) if len(differences) > 1 else None
+    return str(samples_needed(detect, difference_sd=spread or None))
 
 
 def print_scores(plan: SweepPlan, console: Console) -> None:
