@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from evalkit.bench import command as bench_command
 from evalkit.errors import EvalkitError
@@ -24,9 +25,10 @@ out = Console()
 err = Console(stderr=True)
 
 
-def _fail(message: str, code: int = 2):
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+def _error(message: str) -> None:
+    """One line on stderr: the message as given (a Text: never read as markup or emoji codes, so user text such
+    as `hf:a:b:c` or `[client]` is printed as it is)."""
+    err.print(Text.assemble(("error:", "bold red"), " ", str(message)), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -222,7 +224,7 @@ def main():
         if isinstance(code, int) and code:
             sys.exit(code)
     except EvalkitError as error:
-        err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        _error(str(error))
         sys.exit(getattr(error, "exit_code", 2))  # 1 for results that could not be written (errors.WriteFailed)
     except KeyboardInterrupt:
         err.print("interrupted: finished samples are saved; run the same command again to resume")
@@ -234,5 +236,5 @@ def main():
     except typer.TyperException as error:  # usage errors: bad option values, unknown options
         message = error.format_message() if hasattr(error, "format_message") else str(error)
         if message:
-            err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+            _error(message)
         sys.exit(getattr(error, "exit_code", 2))

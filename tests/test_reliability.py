@@ -367,6 +367,8 @@ BAD_INPUT = [
     (["heatmap", "{tmp}/niah-run", "-o", "{tmp}"], "-o {tmp} is a folder: give a file name"),
     (["heatmap", "{tmp}/niah-run", "-o", "{file}/x.png"], "which is a file"),
     (["report", "{tmp}/runs", "-o", "{file}"], "-o {file} is a file, not a folder"),
+    (["report", "{tmp}/runs", "-o", ""], "-o is empty: give a folder"),  # was: the report in the current folder
+    (["run", "--task", "hf:a:b:c:d"], "hf:a:b:c:d"),  # user text printed as given: `:b:` is no emoji code
 ]
 
 

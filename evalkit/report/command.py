@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
 
 def report(
     runs: Path = typer.Argument(Path("runs"), help="Results folder to read."),
-    output: Path = typer.Option(Path("report"), "-o", "--output", help="Folder for index.html, PNGs and CSV."),
+    output: str = typer.Option("report", "-o", "--output", help="Folder for index.html, PNGs and CSV."),
 ):
     """Leaderboard and plots (quality vs budget, memory vs quality, NIAH heatmaps) as one offline HTML page."""
     # The page reads run configs through evalkit.config (torch, transformers) and draws with matplotlib and

@@ -204,13 +204,14 @@ class Written:
     skipped: list[str] = field(default_factory=list)
 
 
-def build_report(runs: Path, output: Path) -> Written:
+def build_report(runs: Path, output: str | Path) -> Written:
     """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv.
     Built in a scratch folder and moved into `output` only when whole (index.html last): a failure leaves
     `output` as it was."""
     if not Path(runs).is_dir():
         raise EvalkitError(f"no results folder {str(runs)!r}")
-    check_writable_folder(output, "-o")
+    check_writable_folder(output, "-o")  # before Path(""), which is the current folder
+    output = Path(output)
     entries, skipped = load_entries(runs)
     if not entries:
         raise EvalkitError(f"no complete runs with a score under {str(runs)!r}")
