@@ -18,10 +18,11 @@ import torch
 from evalkit import models
 from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
-from evalkit.config import DTYPES, SEED_LIMIT, choice, parse_budget
+from evalkit.config import DTYPES, SEED_LIMIT, choice
 from evalkit.errors import EvalkitError
 from evalkit.kernels import KERNEL_MODES
-from evalkit.policies import GRANULARITIES, POLICIES, make_policy
+from evalkit.policies import POLICIES, make_policy, parse_budget
+from evalkit.policies.base import refuse_contradiction
 
 MODEL_NAME = "evalkit"
 RESULTS_KEY = "evalkit"  # lm-eval puts get_model_info() into results["config"]: ours lives under this key
@@ -71,7 +72,6 @@ class AdapterConfig:
     def validate(self) -> "AdapterConfig":
         self.policy = POLICIES.canonical(str(self.policy))
         self.budget = parse_budget(self.budget)
-        choice("granularity", self.granularity, GRANULARITIES, optional=True)
         choice("layout", self.layout, LAYOUTS)
         choice("prefill", self.prefill, ("full", "chunked"))
         choice("dtype", self.dtype, DTYPES)
@@ -92,7 +92,8 @@ class AdapterConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < SEED_LIMIT:
             raise EvalkitError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         self.policy_args = policy_args_from_model_arg(self.policy_args)
-        make_policy(self.policy, self.granularity, self.policy_args)
+        make_policy(self.policy, self.granularity, self.policy_args)  # the granularity and policy args checked
+        refuse_contradiction(self.policy, self.granularity)
         self.question_marker = str(self.question_marker).encode().decode("unicode_escape")  # "\\n" from a CLI
         if not self.question_marker:
             raise EvalkitError("question_marker must not be empty")
