@@ -616,3 +616,16 @@ def test_sweep_dry_run_changes_nothing_on_disk(monkeypatch, capsys, tmp_path):
     code, plan, _ = evalkit(monkeypatch, capsys, *grid)
     assert code == 0 and "partial (1 samples)" in plan
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_report_names_the_incomplete_runs_in_one_line(monkeypatch, capsys, tmp_path):
+    runs = niah_store(tmp_path).parent
+    for name in ("b-running", "a-stopped"):  # a config and predictions, no metrics.json: not finished
+        (runs / name).mkdir()
+        (runs / name / "config.json").write_text(json.dumps({"config": {"policy": "h2o_head", "budget": 0.5}}))
+        (runs / name / "predictions.jsonl").write_text(json.dumps({"id": "a", "score": 1.0}) + "\n")
+    code, out, err = evalkit(monkeypatch, capsys, "report", str(runs), "-o", str(tmp_path / "report"))
+    assert code == 0 and err == ""
+    (line,) = [line for line in out.splitlines() if line.startswith("left out:")]
+    assert line == "left out: incomplete runs (no metrics.json yet): a-stopped, b-running"
+    assert "1 runs" in out

@@ -106,6 +106,10 @@ def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
             skipped.append(f"{folder.name}: predictions not shown: {error}")
         entries.append(Entry(str(provenance.get("run_id", folder.name)), folder, config, metrics, records=records,
                              interval=_interval(metrics, records)))
+    incomplete = sorted(config.parent.name for config in Path(runs).glob("*/config.json")
+                        if not config.with_name("metrics.json").exists())
+    if incomplete:  # a run still going, or stopped: its numbers would not be the run's
+        skipped.append(f"incomplete runs (no metrics.json yet): {', '.join(incomplete)}")
     _place(entries)
     marks = significance(entries, lambda e: e.records if e.interval is not None else [], _label,
                          fields_where(report="variant"))
