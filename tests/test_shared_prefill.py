@@ -250,8 +250,10 @@ def test_evalkit_run_shows_the_full_cache_beside_the_policy_from_the_same_prefil
     assert len(folders) == 2 and any("-full-1.0-" in name for name in folders)
     full = next(tmp_path.glob("*-full-1.0-*"))
     full_score = json.loads((full / "metrics.json").read_text())["score"]
-    row = next(line for line in first.output.splitlines() if line.startswith("│"))
-    assert "not run" not in first.output and row.split("│")[2].strip() == f"{100 * full_score:.1f}"
+    header = next(line for line in first.output.splitlines() if line.startswith("┃")).split("┃")
+    row = next(line for line in first.output.splitlines() if line.startswith("│")).split("│")
+    column = [cell.strip() for cell in header].index("full cache")
+    assert "not run" not in first.output and row[column].strip() == f"{100 * full_score:.1f}"
     # Later runs on the same samples reuse the stored baseline; --no-baseline runs none.
     stamp = (full / "metrics.json").stat().st_mtime_ns
     second = CliRunner().invoke(app, [*args[:4], "0.25", *args[5:]], env={"COLUMNS": "250"})
