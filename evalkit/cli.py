@@ -122,7 +122,7 @@ def _print_result(result) -> None:
         f"{m['prefill_tokens_per_s']:.0f}",
         f"{m['decode_tokens_per_s']:.1f}",
     )
-    out.print(table)
+    _wide().print(table)  # one line a run: never squeezed into a narrow terminal
     if m.get("by_task"):
         tasks = Table(title="per task", title_justify="left")
         tasks.add_column("task")
