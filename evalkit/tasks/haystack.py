@@ -1,4 +1,5 @@
-"""RULER's haystacks, needles placed in them by depth, and fitting a haystack's size to a token budget.
+"""RULER's haystacks, needles placed in them by depth, and fitting a haystack to the prompt tokens a length
+leaves.
 
 Follows NVIDIA/RULER scripts/data/synthetic/niah.py. The essay haystack is the
 Paul Graham essays as a list of words: a prompt takes its first N words, and
@@ -62,22 +63,22 @@ def insert_at_depths(units: list[str], needles: list[str], depths: list[float]) 
     return units
 
 
-def first_guess(measure: Callable[[int], int], budget: int, probe: int) -> int:
+def first_guess(measure: Callable[[int], int], prompt_tokens: int, probe: int) -> int:
     """A starting size for `fit_size` when a size's token cost is unknown (lines, documents, words).
 
     Two probes, at 0 and at `probe`, give the fixed part of the prompt and the
-    tokens one unit adds; the guess is the size a straight line puts at the budget.
+    tokens one unit adds; the guess is the size a straight line puts at `prompt_tokens`.
     """
     fixed = measure(0)
-    if fixed > budget:
-        raise EvalkitError(f"a budget of {budget} prompt tokens leaves no room for a haystack "
+    if fixed > prompt_tokens:
+        raise EvalkitError(f"{prompt_tokens} prompt tokens leave no room for a haystack "
                            f"(the prompt without one takes {fixed})")
     per_unit = max(measure(probe) - fixed, 1) / probe
-    return max(1, int((budget - fixed) / per_unit))
+    return max(1, int((prompt_tokens - fixed) / per_unit))
 
 
-def fit_size(measure: Callable[[int], int], budget: int, guess: int) -> int:
-    """A haystack size n with `measure(n) <= budget` within 0.5% (at least 4 tokens) of the budget.
+def fit_size(measure: Callable[[int], int], prompt_tokens: int, guess: int) -> int:
+    """A haystack size n with `measure(n) <= prompt_tokens` within 0.5% (at least 4 tokens) of it.
 
     `measure(n)` is the token count of the prompt built with n haystack words
     and must be non-decreasing in n. Each call tokenizes a whole prompt, so
@@ -87,15 +88,15 @@ def fit_size(measure: Callable[[int], int], budget: int, guess: int) -> int:
     `guess`, say the previous sample's size, already fits). After a few
     probes it falls back to bisection, which always ends.
     """
-    slack = max(4, budget // 200)
-    target = budget - slack / 2
+    slack = max(4, prompt_tokens // 200)
+    target = prompt_tokens - slack / 2
     fits, fits_tokens = 0, None  # largest size known to fit (0 is assumed to)
     too_big, too_big_tokens = None, None  # smallest size known not to fit
     size = max(guess, 1)
     for probe in itertools.count():
         tokens = measure(size)
-        if tokens <= budget:
-            if budget - tokens <= slack:
+        if tokens <= prompt_tokens:
+            if prompt_tokens - tokens <= slack:
                 return size
             fits, fits_tokens = size, tokens
         else:
@@ -105,7 +106,7 @@ def fit_size(measure: Callable[[int], int], budget: int, guess: int) -> int:
             continue
         if too_big - fits <= 1:
             if fits == 0:
-                raise EvalkitError(f"a budget of {budget} prompt tokens leaves no room for a haystack")
+                raise EvalkitError(f"{prompt_tokens} prompt tokens leave no room for a haystack")
             return fits
         if fits_tokens is None:
             size = round(size * target / tokens)  # the prompt is mostly haystack: scale it

@@ -292,19 +292,19 @@ class LongBenchTask(Task):
     def fit(self, prompt_length: PromptLength, length: int, index: int) -> Sample:
         """Record `index` as a sample whose prompt plus answer fits `length` tokens, its context cut
         in the middle when it is too long (see the module docstring)."""
-        budget = length - self.spec.max_new_tokens
-        if budget <= 0:
+        prompt_tokens = length - self.spec.max_new_tokens
+        if prompt_tokens <= 0:
             raise EvalkitError(f"length {length} leaves no room for a prompt ({self.spec.max_new_tokens} new tokens)")
         build = functools.partial(self._sample, index, self.records[index])
         whole = build(None)
         tokens = prompt_length(whole)
-        if tokens <= budget:
+        if tokens <= prompt_tokens:
             return whole
-        if prompt_length(build(0)) > budget:
+        if prompt_length(build(0)) > prompt_tokens:
             raise EvalkitError(f"{self.name} sample {index}: the prompt without its context is over the "
-                               f"{budget} tokens the length leaves; raise the length")
+                               f"{prompt_tokens} tokens the length leaves; raise the length")
         context_chars = whole.meta["context_chars"]
-        kept = fit_size(lambda size: prompt_length(build(size)), budget, guess=context_chars * budget // tokens)
+        kept = fit_size(lambda size: prompt_length(build(size)), prompt_tokens, guess=context_chars * prompt_tokens // tokens)
         return build(kept)
 
     def _sample(self, index: int, record: dict, kept: int | None) -> Sample:

@@ -180,7 +180,7 @@ class NiahGrid(Task):
         starts = [0] + [rng.choice(_sentence_starts()) for _ in range(repeats - 1)]
         samples = []
         for cell_length in lengths:
-            budget = cell_length - self.max_new_tokens
+            prompt_tokens = cell_length - self.max_new_tokens
             # Haystack words per repeat: a fit starts from the previous depth's, never from another repeat's,
             # so that a sample does not change with the haystacks of the others.
             sizes: dict[int, int] = {}
@@ -191,7 +191,7 @@ class NiahGrid(Task):
                     def measure(words: int) -> int:
                         return prompt_length(build(words))
 
-                    sizes[repeat] = fit_size(measure, budget, sizes.get(repeat, budget * 3 // 4))
+                    sizes[repeat] = fit_size(measure, prompt_tokens, sizes.get(repeat, prompt_tokens * 3 // 4))
                     samples.append(build(sizes[repeat]))
         return samples
 

@@ -128,13 +128,13 @@ class NiahTask(Task):
     max_new_tokens = 128  # RULER's tokens_to_generate for niah
 
     def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
-        budget = length - self.max_new_tokens
-        if budget <= 0:
+        prompt_tokens = length - self.max_new_tokens
+        if prompt_tokens <= 0:
             raise EvalkitError(f"length {length} leaves no room for a prompt ({self.max_new_tokens} new tokens)")
         rng = random.Random(seed)
         # A first guess (essay words run about 4/3 tokens each; lines are measured); later samples
         # start from the previous fit.
-        size = budget * 3 // 4 if self.spec.haystack == "essay" else None
+        size = prompt_tokens * 3 // 4 if self.spec.haystack == "essay" else None
         samples = []
         for index in range(n):
             build = functools.partial(self._sample, index, self._draw(rng, index / (n - 1) if n > 1 else 0.5))
@@ -143,8 +143,8 @@ class NiahTask(Task):
                 return prompt_length(build(size))
 
             if size is None:
-                size = first_guess(measure, budget, probe=8)
-            size = fit_size(measure, budget, size)
+                size = first_guess(measure, prompt_tokens, probe=8)
+            size = fit_size(measure, prompt_tokens, size)
             samples.append(build(size))
         return samples
 

@@ -47,8 +47,8 @@ class FittedTask(Task):
     probe: ClassVar[int] = 8  # haystack units of the second probe of `first_guess`
 
     def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
-        budget = length - self.max_new_tokens
-        if budget <= 0:
+        prompt_tokens = length - self.max_new_tokens
+        if prompt_tokens <= 0:
             raise EvalkitError(f"length {length} leaves no room for a prompt ({self.max_new_tokens} new tokens)")
         rng = random.Random(seed)
         setup = self._setup(prompt_length, length, n, rng)
@@ -60,8 +60,8 @@ class FittedTask(Task):
                 return prompt_length(build(size))
 
             if size is None:  # later samples start from the previous fit
-                size = first_guess(measure, budget, self.probe)
-            size = fit_size(measure, budget, size)
+                size = first_guess(measure, prompt_tokens, self.probe)
+            size = fit_size(measure, prompt_tokens, size)
             samples.append(build(size))
         return samples
 
