@@ -1,12 +1,11 @@
 """`evalkit compare`: two run folders (written here by hand) compared sample by sample."""
 
 import json
-import sys
 
 import pytest
 from scipy import stats
 
-from evalkit.cli import main
+from test_cli import evalkit
 
 BASE = {"task": "ruler:niah_single_2", "task_args": {}, "length": 512, "samples": 20, "model": "m", "seed": 0,
         "temperature": 0.0, "dtype": "auto", "layout": "paged", "query_aware": True, "granularity": None,
@@ -25,17 +24,6 @@ def write_run(root, run_id, scores, complete=True, ids=None, **config):
         (folder / "metrics.json").write_text(json.dumps({"score": sum(scores) / max(1, len(scores)),
                                                          "samples": len(scores)}))
     return folder
-
-
-def evalkit(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["evalkit", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 A = [1] * 16 + [0] * 4  # 80 %

@@ -60,15 +60,17 @@ def _read_cached(source: DataSource, stamp, stop: int | None) -> list[dict]:
     """Read once per process and file version: a run checks its data when validating its config
     and reads it again to build the task."""
     if source.kind == "jsonl":
-        return list(itertools.islice(_iter_jsonl(Path(source.name)), stop))
+        return list(itertools.islice(iter_jsonl(Path(source.name)), stop))
     return _read_dataset(source)
 
 
-def _iter_jsonl(path: Path) -> Iterator[dict]:
-    """`read_jsonl`'s records (same line numbers, same refusals), read line by line as they are asked for."""
+def iter_jsonl(path: Path) -> Iterator[dict]:
+    """The JSON objects of a JSON Lines file, read line by line as they are asked for; blank lines skipped, a
+    bad line refused with its number. Lines are split as bytes: str.splitlines would also split at U+2028
+    inside a JSON string."""
     number = 0
     with open(path, "rb") as file:
-        for chunk in file:  # split at b"\n"; splitlines also splits at a bare b"\r", as read_jsonl does
+        for chunk in file:  # split at b"\n"; splitlines also at a bare b"\r"
             for raw in chunk.splitlines():
                 number += 1
                 try:

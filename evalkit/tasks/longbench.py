@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from pathlib import Path
 
 from evalkit.errors import EvalkitError
 from evalkit.tasks.base import TASKS, PromptLength, Sample, Task
+from evalkit.tasks.data_source import iter_jsonl
 from evalkit.tasks.haystack import fit_size
 from evalkit.tasks.metrics import METRICS, first_line
 
@@ -159,27 +159,6 @@ def _hub_is_off() -> str | None:
     return None
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a JSON Lines file, blank lines skipped; a bad line is refused with its number."""
-    records = []
-    # Lines are split as bytes: str.splitlines would also split at U+2028 inside a JSON string.
-    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise EvalkitError(f"{path}:{number}: not UTF-8 text") from None
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise EvalkitError(f"{path}:{number}: not JSON ({error.msg})") from None
-        if not isinstance(record, dict):
-            raise EvalkitError(f"{path}:{number}: a record is a JSON object, got {type(record).__name__}")
-        records.append(record)
-    return records
-
-
 def load_records(dataset: str, data_dir: str | os.PathLike | None = None) -> list[dict]:
     """A LongBench dataset's test records, in published order: from a local folder, else the hub."""
     if dataset not in DATASETS:
@@ -189,7 +168,7 @@ def load_records(dataset: str, data_dir: str | os.PathLike | None = None) -> lis
         path = Path(folder) / f"{dataset}.jsonl"
         if not path.is_file():
             raise EvalkitError(f"LongBench {dataset}: no {path} (LongBench's data.zip unpacks to <name>.jsonl files)")
-        records, where = read_jsonl(path), str(path)
+        records, where = list(iter_jsonl(path)), str(path)
     else:
         off = _hub_is_off()
         if off:
