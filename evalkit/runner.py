@@ -105,8 +105,8 @@ def prefill_key(config: RunConfig) -> tuple | None:
     through the policy's cache; perplexity is scored in chunks)."""
     if config.prefill != "full" or config.task == Perplexity.name:
         return None
-    fields = config.to_dict()
-    return tuple(sorted((k, repr(v)) for k, v in fields.items() if k not in fields_where(after_prefill=True)))
+    after_prefill = fields_where(after_prefill=True)
+    return tuple(sorted((k, repr(v)) for k, v in config.to_dict().items() if k not in after_prefill))
 
 
 def _wandb_mode(config: RunConfig, decided: str | None, mirror: Mirror | None, say: Callable[[str], None]) -> str:

@@ -14,6 +14,7 @@ The difference of two runs always carries a paired bootstrap interval.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -58,7 +59,7 @@ class Comparison:
     only_a: int  # samples where A scored higher than B (binary: passed where B failed)
     only_b: int
     needed: int | None  # samples to detect `detect` at the observed disagreement, ALPHA and POWER
-    detect: float
+    detect: float | None
     higher_is_better: bool = True
 
     @property
@@ -69,9 +70,11 @@ class Comparison:
         if self.significant:
             a_wins = (self.difference > 0) == self.higher_is_better
             return f"{a if a_wins else b} better, p = {self.p_value:.3g}"
+        found = f"no difference detected at n = {self.n} (p = {self.p_value:.3g})"
+        if self.detect is None:
+            return found
         need = f"; would need ≈ {self.needed} samples" if self.needed else ""
-        return (f"no difference detected at n = {self.n} (p = {self.p_value:.3g}){need} to detect a "
-                f"{self.detect * 100:g}-point difference")
+        return f"{found}{need} to detect a {self.detect * 100:g}-point difference"
 
 
 def is_binary(records: list[dict]) -> bool:
@@ -91,8 +94,9 @@ def score_interval(records: list[dict]) -> Interval:
     return Interval(n, _float(low), _float(high), "bootstrap", ci_resamples=RESAMPLES, ci_seed=SEED)
 
 
-def compare(a: list[dict], b: list[dict], detect: float = 0.10) -> Comparison:
-    """Paired comparison of two runs' records on the same samples (matched by id)."""
+def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Comparison:
+    """Paired comparison of two runs' records on the same samples (matched by id); `detect`: the difference
+    `needed` is worked out for (None: not worked out, as the report's many tests do not need it)."""
     by_id = {r["id"]: r for r in b}
     if not a or {r["id"] for r in a} != set(by_id):
         only = len({r["id"] for r in a} ^ set(by_id))
@@ -113,17 +117,18 @@ def compare(a: list[dict], b: list[dict], detect: float = 0.10) -> Comparison:
         only_a, only_b = only_b, only_a
     if is_binary(a) and is_binary(b) and not _tasks(a):
         p = 1.0 if only_a + only_b == 0 else float(stats.binomtest(only_a, only_a + only_b).pvalue)
-        needed = samples_needed(detect, (only_a + only_b) / len(a) or None)
+        needed = None if detect is None else samples_needed(detect, (only_a + only_b) / len(a) or None)
         return Comparison(len(a), "binary", difference, float(low), float(high), p, "exact McNemar", only_a,
                           only_b, needed, detect, higher_is_better)
     centred = result.bootstrap_distribution - result.bootstrap_distribution.mean()
     p = float(((np.abs(centred) >= abs(difference)).sum() + 1) / (RESAMPLES + 1))
     sd = float(np.std(scores_a - scores_b, ddof=1)) if len(a) > 1 else None
-    needed = None if not higher_is_better else samples_needed(detect, difference_sd=sd or None)
+    needed = None if detect is None or not higher_is_better else samples_needed(detect, difference_sd=sd or None)
     return Comparison(len(a), "continuous", difference, float(low), float(high), p, "paired bootstrap", only_a,
                       only_b, needed, detect, higher_is_better)
 
 
+@functools.lru_cache(maxsize=256)  # pure, and a sweep's plan asks the same question for every cell
 def samples_needed(detect: float, discordance: float | None = None, difference_sd: float | None = None) -> int:
     """Samples a paired comparison needs to detect a difference of `detect` (a fraction of the score range)
     with the power POWER at the level ALPHA: for pass/fail scores, the exact McNemar test's own power at the

@@ -117,10 +117,10 @@ class Policy:
     def check_fits(self, length: int) -> None:
         """Refuse a token-count hyper-parameter larger than a `length`-token prompt (a window of a billion
         tokens would pool over a billion positions while decoding)."""
-        for name, (_, high) in _ranges(self).items():
+        for name, (low, high) in _ranges(self).items():
             if high == PROMPT and getattr(self, name) > length:
                 raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} {getattr(self, name)} is more "
-                                   f"than --length {length}: it must be in [{_ranges(self)[name][0]}, {length}]")
+                                   f"than --length {length}: it must be in [{low}, {length}]")
 
     def check_budget(self, budget: Budget, block_size: int, length: int) -> None:
         """Refuse a budget that keeps less than one token, or less than one page at a page granularity."""

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
-
 from rich.console import Console
 from rich.table import Table
 
+from evalkit.errors import EvalkitError
 from evalkit.results import RunDir
 from evalkit.sweep.plan import SweepCell, SweepPlan, prefill_notes, sweep_rows
-from evalkit.uncertainty import samples_needed
+from evalkit.uncertainty import compare, samples_needed
 
 
 def _state(plan: SweepPlan, cell: SweepCell) -> str:
@@ -47,16 +46,13 @@ def _samples_needed(plan: SweepPlan, cell: SweepCell, detect: float) -> str:
     if cell.baseline:
         return "-"
     own, base = RunDir(plan.out, cell.run_id), RunDir(plan.out, cell.config.full_cache().run_id())
-    if not (own.complete and base.complete):
-        return f"{samples_needed(detect)} (default)"
-    records, by_id = own.predictions(), {r["id"]: r for r in base.predictions()}
-    pairs = [(r["score"], by_id[r["id"]]["score"]) for r in records if r["id"] in by_id]
-    if all(a in (0, 1) and b in (0, 1) for a, b in pairs):
-        observed = sum(a != b for a, b in pairs) / len(pairs) if pairs else None
-        return str(samples_needed(detect, discordance=observed or None))
-    differences = [a - b for a, b in pairs]
-    spread = statistics.stdev(differences) if len(differences) > 1 else None
-    return str(samples_needed(detect, difference_sd=spread or None))
+    needed = None
+    if own.complete and base.complete:
+        try:
+            needed = compare(own.predictions(), base.predictions(), detect).needed
+        except EvalkitError:  # not the same samples, or fewer than two: nothing observed to go on
+            pass
+    return str(needed) if needed else f"{samples_needed(detect)} (default)"
 
 
 def print_scores(plan: SweepPlan, console: Console) -> None:
