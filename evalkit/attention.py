@@ -23,6 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from evalkit.cache import KVCache
 from evalkit.kernels import use_triton
+from evalkit.policies.query_moments import QueryMoments
 
 ATTENTION_NAME = "evalkit"
 # Block sizes, chosen by timing them (docs/benchmarks-history.md):
@@ -47,6 +48,8 @@ class ForwardPlan:
     available: torch.Tensor | None = None  # [B] live slots, summed over layers (when filtered)
     kernels: str = "auto"  # see evalkit.kernels.use_triton
     record: "PromptRecord | None" = None  # a shared prefill: keep each layer's K/V and statistics, no storage
+    # Query moments to add this forward's queries to, with the RoPE (cos, sin) [B, T, D] of its positions.
+    moments: "tuple[list[QueryMoments], torch.Tensor, torch.Tensor] | None" = None
 
 
 @dataclass
@@ -298,6 +301,10 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(plan, JointForwardPlan):
         return _joint_attention(module, query, key, value, plan, scaling, sliding_window), None
+    if plan.moments is not None:
+        moments, cos, sin = plan.moments
+        for each in moments:
+            each.add(module.layer_idx, query, plan.positions, plan.valid, cos, sin)
     if plan.record is not None:
         return _recorded_prompt_attention(module.layer_idx, query, key, value, plan, scaling, sliding_window), None
     layer = plan.cache.layers[module.layer_idx]

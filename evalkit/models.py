@@ -93,3 +93,15 @@ def load_model(name: str, dtype: str = "auto", device: str = "auto"):
 
 def max_positions(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
+
+
+def rope_of(model):
+    """positions [B, n] -> (cos, sin) [B, n, head dim]: the model's rotary embedding at any positions."""
+    rotary = getattr(model, "model", model).rotary_emb
+    probe = torch.empty(0, dtype=model.dtype, device=model.device)
+    return lambda positions: rotary(probe, positions)
+
+
+def output_projection(model, layer: int) -> torch.Tensor:
+    """[hidden, H_q * head dim]: the o_proj weight of attention layer `layer`."""
+    return getattr(model, "model", model).layers[layer].self_attn.o_proj.weight

@@ -27,8 +27,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig, baseline_for, fields_where
 from evalkit.errors import EvalkitError
-from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_branches, score_rolling,
-                          share_prefill, statistic_key)
+from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_branches, prefill_statistics,
+                          score_rolling, share_prefill)
 from evalkit.models import load_model, max_positions
 from evalkit.prompt import encode, prompt_length
 from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
@@ -264,7 +264,7 @@ def _generation_evaluation(task: Task, config: RunConfig, model, tokenizer) -> _
         return [Request(c, q, s.max_new_tokens) for s, (c, q) in batch]
 
     def share(batch, each: list[GenerationSettings]) -> SharedPrefill:
-        statistics = {statistic_key(s.policy, s.policy.collect_prefill) for s in each} - {None}
+        statistics = set().union(*(prefill_statistics(s.policy) for s in each))
         return share_prefill(model, requests(batch), each[0].query_aware, statistics)
 
     def evaluate(batch, each: list[GenerationSettings], shared: SharedPrefill | None) -> list[list[dict]]:

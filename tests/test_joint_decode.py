@@ -15,10 +15,11 @@ from evalkit.loop import GenerationSettings, Request, generate, start
 from evalkit.loop.state import forward
 from evalkit.loop.joint_decode import forward_branches, generate_branches
 from evalkit.policies import make_policy
-from evalkit.loop.shared_prefill import share_prefill, statistic_key
+from evalkit.loop.shared_prefill import prefill_statistics, share_prefill
 
 POLICIES = ["full", "h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
-            "pyramidkv_head", "adakv_snapkv", "quest", "random"]
+            "pyramidkv_head", "adakv_snapkv", "quest", "random",
+            "expected_attention_head", "adakv_expected_attention", "critical_snapkv_head", "keydiff_page", "lagkv_token"]
 
 
 def wide_model(arch: str):
@@ -48,7 +49,7 @@ def cells_of(query_aware: bool) -> list[GenerationSettings]:
 
 def shared_prefill(model, batch, cells, query_aware):
     return share_prefill(model, batch, query_aware,
-                         {statistic_key(c.policy, c.policy.collect_prefill) for c in cells} - {None})
+                         set().union(*(prefill_statistics(c.policy) for c in cells)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["llama", "qwen2 (biased projections)"])

@@ -21,10 +21,11 @@ from evalkit.attention import attention_statistics, evalkit_attention, prompt_at
 from evalkit.loop import GenerationSettings, Request, generate, start
 from evalkit.loop.state import forward
 from evalkit.policies import make_policy
-from evalkit.loop.shared_prefill import share_prefill, statistic_key
+from evalkit.loop.shared_prefill import prefill_statistics, share_prefill
 
 POLICIES = ["h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
-            "pyramidkv_head", "adakv_snapkv", "quest", "random"]
+            "pyramidkv_head", "adakv_snapkv", "quest", "random",
+            "expected_attention_head", "adakv_expected_attention", "critical_snapkv_head", "keydiff_page", "lagkv_token"]
 BUDGETS = [0.25, 0.5, 1.0]
 TIMINGS = ("prefill_seconds", "decode_seconds")
 
@@ -85,7 +86,7 @@ def test_a_shared_prefill_generates_what_each_cells_own_prefill_generates(query_
     batch = requests(torch.Generator().manual_seed(0))
     policies = [make_policy(name) for name in POLICIES]
     shared = share_prefill(model, batch, query_aware,
-                           {statistic_key(p, p.collect_prefill) for p in policies} - {None})
+                           set().union(*map(prefill_statistics, policies)))
     assert {("attention", 0), ("window", 1), ("window", 32)} <= set(shared.record.statistics)
     compared = 0
     for policy in policies:
@@ -124,7 +125,7 @@ def test_a_cell_forked_compressed_holds_what_its_own_compression_leaves(layout, 
     model = tiny_model("llama", seed=3)
     batch = requests(torch.Generator().manual_seed(1))
     policies = [make_policy(name) for name in POLICIES + ["h2o_head_page", "knorm_head"]]
-    shared = share_prefill(model, batch, True, {statistic_key(p, p.collect_prefill) for p in policies} - {None})
+    shared = share_prefill(model, batch, True, set().union(*map(prefill_statistics, policies)))
     with evalkit_attention(model):
         for policy in policies:
             for budget in (0.2, 0.5, 1.0):

@@ -11,9 +11,10 @@ Modules, each importing only those above it in this list:
 
 from evalkit.loop.generate import generate, start
 from evalkit.loop.joint_decode import generate_branches
-from evalkit.loop.shared_prefill import SharedPrefill, share_prefill, statistic_key
+from evalkit.loop.shared_prefill import SharedPrefill, prefill_statistics, share_prefill, statistic_key
 from evalkit.loop.state import Generation, GenerationSettings, Request
 from evalkit.loop.teacher_forcing import Score, ScoreRequest, score_continuations, score_rolling
 
 __all__ = ["Generation", "GenerationSettings", "Request", "Score", "ScoreRequest", "SharedPrefill", "generate",
-           "generate_branches", "score_continuations", "score_rolling", "share_prefill", "start", "statistic_key"]
+           "generate_branches", "prefill_statistics", "score_continuations", "score_rolling", "share_prefill", "start",
+           "statistic_key"]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from evalkit.cache import model_kv_shape
 from evalkit.loop.state import NO_LIMIT, GenerationSettings, LoopState
+from evalkit.models import output_projection, rope_of
 from evalkit.policies import PAGE_GRANULARITIES, ScoreInput, tokens_for
 from evalkit.policies.budget import at_least_one_page
 
@@ -75,10 +76,13 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
             bool(((view.pos >= 0).sum(-1).cpu() <= caps[layer_idx][:, None]).all())  # all_live: each head holds N
         if within:
             continue
-        keys = view.k if policy.reads_keys else None
-        key_norms = view.key_norms if policy.reads_key_norms else None
-        scores = policy.score(ScoreInput(keys, view.pos, view.stats, layer_idx, state.settings.seed, state.stat_end,
-                                         key_norms))
+        scores = policy.score(ScoreInput(
+            view.k if policy.reads_keys else None, view.pos, view.stats, layer_idx, state.settings.seed,
+            state.stat_end, view.key_norms if policy.reads_key_norms else None,
+            values=view.v if policy.reads_values else None, caps=caps[layer_idx],
+            queries=state.moments[0] if policy.reads_query_moments else None,
+            rope=rope_of(state.model) if policy.reads_query_moments else None,
+            output_projection=output_projection(state.model, layer_idx) if policy.reads_output_projection else None))
         over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
     chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
     if over:

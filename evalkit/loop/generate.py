@@ -16,6 +16,7 @@ from evalkit.loop.compression import Budgets, budgets_for, compress
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.state import (NO_LIMIT, Generation, GenerationSettings, LoopState, Observer, Request, forward,
                                 new_state, split_prompts)
+from evalkit.policies.query_moments import QueryMoments
 
 
 def prefill(state: LoopState, compressed: list[list[int]], appended: list[list[int]], caps: torch.Tensor,
@@ -35,6 +36,7 @@ def prefill(state: LoopState, compressed: list[list[int]], appended: list[list[i
             step_logits, counts = forward(state, [t[start:start + chunk] for t in compressed])
             logits = step_logits if logits is None else torch.where(counts[:, None] > 0, step_logits, logits)
             compress(state, caps)
+    state.collect_moments = False
     if any(appended):
         state.collect = appended_collect
         step_logits, counts = forward(state, appended)
@@ -153,6 +155,10 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     state = new_state(model, settings, budgets.lengths, budgets.caps, extra + max_new, observe,
                       with_cache=not forks_compressed)
     state.collect = policy.collect_prefill if budgets.any_evicting else None
+    if policy.reads_query_moments and budgets.any_evicting:  # summed over the compressed prompt only
+        state.moments = [shared.moments_for(policy.sink_tokens) if shared is not None
+                         else QueryMoments(policy.sink_tokens)]
+        state.collect_moments = shared is None
     if forks_compressed:  # the branch's cache receives only what compression keeps (`SharedPrefill.fork_compressed`)
         logits = shared.fork_compressed(state, budgets.caps, extra + max_new)
     else:

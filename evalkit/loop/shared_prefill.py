@@ -25,6 +25,10 @@ from evalkit.cache import KVCache
 from evalkit.loop.compression import slots_to_keep
 from evalkit.loop.state import GenerationSettings, LoopState, Request, forward, left_padded, new_cache, split_prompts
 from evalkit.policies import Policy, make_policy
+from evalkit.policies.query_moments import QueryMoments
+
+
+MOMENTS = "queries"  # a statistic key's kind for the prompt queries' moments: (MOMENTS, skip)
 
 
 def statistic_key(policy: Policy, collect: str | None) -> tuple[str, int] | None:
@@ -32,6 +36,13 @@ def statistic_key(policy: Policy, collect: str | None) -> tuple[str, int] | None
     if collect is None:
         return None
     return collect, policy.observation_window if collect == "window" else 0
+
+
+def prefill_statistics(policy: Policy) -> set[tuple[str, int]]:
+    """Every statistic a shared prefill records for `policy`'s compression: its prefill statistic and, when
+    it reads them, the prompt queries' moments (MOMENTS, the positions they skip)."""
+    keys = {statistic_key(policy, policy.collect_prefill)} - {None}
+    return keys | {(MOMENTS, policy.sink_tokens)} if policy.reads_query_moments else keys
 
 
 @dataclass
@@ -42,6 +53,7 @@ class SharedPrefill:
     record: PromptRecord
     logits: torch.Tensor  # [B, V] float32 after each prompt's last token
     seconds: float
+    moments: list[QueryMoments] = field(default_factory=list)  # the queries' moments, one per skip asked for
 
     # The prompts stored once per storage shape: (layout, block size, pool pages, tokens after the prefill)
     # -> (the cache, each layer's slots, {statistic key: the same storage with that statistic}).
@@ -103,6 +115,14 @@ class SharedPrefill:
             with_statistic[key] = KVCache(layers, cache.layout)
         return with_statistic[key]
 
+    def moments_for(self, skip: int) -> QueryMoments:
+        """The prompts' query moments at positions >= `skip` (read only: nothing adds to them after the prefill)."""
+        found = [m for m in self.moments if m.skip == skip]
+        if not found:
+            raise ValueError(f"the shared prefill recorded query moments skipping {[m.skip for m in self.moments]}, "
+                             f"not {skip}")
+        return found[0]
+
     def _kvs(self):
         return [self.record.layers[layer_idx] for layer_idx in range(len(self.record.layers))]
 
@@ -133,9 +153,11 @@ def share_prefill(model, requests: list[Request], query_aware: bool,
     compressed, _ = split_prompts(requests, query_aware)
     settings = GenerationSettings(policy=make_policy("full"))
     start = torch.zeros(len(requests), dtype=torch.long)
+    moments = [QueryMoments(skip) for kind, skip in sorted(statistics) if kind == MOMENTS]
     state = LoopState(model, None, settings.policy, settings, start, start.clone(),
-                   record=PromptRecord(sorted(statistics)))
+                      record=PromptRecord(sorted(s for s in statistics if s[0] != MOMENTS)),
+                      moments=moments, collect_moments=bool(moments))
     began = time.perf_counter()
     with evalkit_attention(model):
         logits, _ = forward(state, compressed)
-    return SharedPrefill(compressed, state.record, logits, time.perf_counter() - began)
+    return SharedPrefill(compressed, state.record, logits, time.perf_counter() - began, moments)

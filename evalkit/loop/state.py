@@ -12,7 +12,9 @@ import torch
 
 from evalkit.attention import ForwardPlan, PromptRecord
 from evalkit.cache import KVCache
+from evalkit.models import rope_of
 from evalkit.policies import Budget, Policy
+from evalkit.policies.query_moments import QueryMoments
 
 NO_LIMIT = 1 << 40
 
@@ -80,6 +82,8 @@ class LoopState:
     attended: torch.Tensor | None = None  # [B] slots read while decoding, all layers
     available: torch.Tensor | None = None  # [B] live slots while decoding, all layers
     record: PromptRecord | None = None  # a shared prefill's forward: no storage, everything recorded
+    moments: list[QueryMoments] = field(default_factory=list)  # the prompt queries' moments, per skip asked for
+    collect_moments: bool = False  # add this phase's queries to `moments`
 
 
 def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,10 +105,12 @@ def forward_inputs(state: LoopState, tokens: list[list[int]]):
     """(ids [B, T], positions [B, T] on the model's device, the layers' ForwardPlan, counts [B]) of a forward."""
     device = state.model.device
     ids, valid, positions = left_padded(tokens, state.seen)
-    plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), state.collect,
-                       state.policy.observation_window, state.attend_filter, state.attended, state.available,
-                       state.settings.kernels, state.record)
-    return ids.to(device), positions.to(device), plan, valid.sum(1)
+    positions = positions.to(device)
+    moments = (state.moments, *rope_of(state.model)(positions)) if state.collect_moments and state.moments else None
+    plan = ForwardPlan(state.cache, positions, valid.to(device), state.collect, state.policy.observation_window,
+                       state.attend_filter, state.attended, state.available, state.settings.kernels, state.record,
+                       moments)
+    return ids.to(device), positions, plan, valid.sum(1)
 
 
 def fed(state: LoopState, counts: torch.Tensor) -> None:

@@ -1,31 +1,40 @@
 from dataclasses import dataclass
 
-from evalkit.policies.base import POLICIES, arg
+from evalkit.policies.base import POLICIES, Policy, arg
+from evalkit.policies.scorers import SCORERS
 from evalkit.policies.selection import Granularity, select_adaptive
-from evalkit.policies.snapkv import SnapKV
 
 
-@dataclass
-class AdaSnapKV(SnapKV):
-    """SnapKV's scores with Ada-KV's allocation: one budget per layer, split across KV heads by score.
+def adakv_of(wrapped: type[Policy]) -> type[Policy]:
+    """`wrapped`'s scores with Ada-KV's allocation (kvpress's AdaKVPress(press))."""
 
-    A layer keeps budget x H_kv tokens in all; each head first keeps its protected tokens and
-    its best `alpha_safeguard` x budget tokens, the rest go to the highest scores of any head. Heads
-    that attend sharply give up slots to heads that attend broadly, so heads hold different
-    numbers of tokens, and with the paged cache the pages they give up are really freed.
-    """
+    @dataclass
+    class AdaKV(wrapped):
+        """Any scorer's scores with Ada-KV's allocation: one budget per layer, split across KV heads by score.
 
-    alpha_safeguard: float = arg(0.2, 0.0, 1.0)
-    description = "SnapKV scores; one budget per layer split across KV heads by score (adaptive)"
-    scorer = "window attention + pooling, adaptive head budgets"
-    paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"
-    differs = "at token and page granularity there is one set for all heads, nothing to reallocate: it is SnapKV"
-    cannot_run_at = {Granularity.HEAD_PAGE: "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
+        A layer keeps budget x H_kv tokens in all; each head first keeps its protected tokens and its
+        best `alpha_safeguard` x budget tokens, the rest go to the highest scores of any head. Heads that
+        attend sharply give up slots to heads that attend broadly, so heads hold different numbers of
+        tokens, and with the paged cache the pages they give up are really freed.
+        """
 
-    def select(self, scores, positions, seen, caps, block_size, recent):
-        if self.granularity != Granularity.HEAD:  # one token set for all heads: nothing to reallocate
-            return super().select(scores, positions, seen, caps, block_size, recent)
-        return select_adaptive(scores, positions, seen, caps, self.alpha_safeguard, self.sink_tokens, recent)
+        granularity: Granularity = Granularity.HEAD
+        alpha_safeguard: float = arg(0.2, 0.0, 1.0)
+        description = f"{wrapped.scorer} scores; one budget per layer split across KV heads by score (adaptive)"
+        scorer = f"{wrapped.scorer}, adaptive head budgets"
+        paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"
+        differs = "at token and page granularity there is one set for all heads, nothing to reallocate: it is the scorer alone"
+        cannot_run_at = {Granularity.HEAD_PAGE: "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
+
+        def select(self, scores, positions, seen, caps, block_size, recent):
+            if self.granularity != Granularity.HEAD:  # one token set for all heads: nothing to reallocate
+                return super().select(scores, positions, seen, caps, block_size, recent)
+            return select_adaptive(scores, positions, seen, caps, self.alpha_safeguard, self.sink_tokens, recent)
+
+    AdaKV.__name__ = AdaKV.__qualname__ = f"Ada{wrapped.__name__}"
+    return AdaKV
 
 
-POLICIES.register("adakv_snapkv", lambda: AdaSnapKV(name="adakv_snapkv"), aliases=("adakv",))
+for _base, _scorer in SCORERS.items():
+    POLICIES.register(f"adakv_{_base}", lambda c=adakv_of(_scorer), n=f"adakv_{_base}": c(name=n),
+                      aliases=("adakv",) if _base == "snapkv" else ())

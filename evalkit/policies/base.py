@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from evalkit.errors import EvalkitError
 from evalkit.policies.budget import TOKEN_LIMIT, Budget, check_budget
+from evalkit.policies.query_moments import QueryMoments
 from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, Granularity, keep_mask
 from evalkit.registry import Registry
 
@@ -29,6 +30,11 @@ class ScoreInput:
     seed: int
     stat_end: torch.Tensor | None = None  # [B] tokens seen at the last forward that collected the statistic
     key_norms: torch.Tensor | None = None  # [B, H_kv, N] float64 L2 norms of the keys; None unless `reads_key_norms`
+    values: torch.Tensor | None = None  # [B, H_kv, N, D]; None unless `reads_values`
+    caps: torch.Tensor | None = None  # [B] tokens per KV head this layer keeps (before any reallocation)
+    queries: QueryMoments | None = None  # the prompt queries' moments; None unless `reads_query_moments`
+    rope: Callable | None = None  # positions [B, n] -> (cos, sin) [B, n, D] of the model's RoPE (with `queries`)
+    output_projection: torch.Tensor | None = None  # [hidden, H_q * D] o_proj weight; None unless `reads_output_projection`
 
 
 PROMPT = "the prompt"  # a hyper-parameter's upper bound: at most the run's prompt tokens (`check_fits`)
@@ -76,6 +82,9 @@ class Policy:
     restricts_reads: ClassVar[bool] = False  # True: `attended_slots` limits what decode queries read
     reads_keys: ClassVar[bool] = False  # True: `score` reads ScoreInput.keys (gathered for it only then)
     reads_key_norms: ClassVar[bool] = False  # True: `score` reads ScoreInput.key_norms (kept by the storage)
+    reads_values: ClassVar[bool] = False  # True: `score` reads ScoreInput.values
+    reads_query_moments: ClassVar[bool] = False  # True: the prefill sums its queries' moments (`QueryMoments`)
+    reads_output_projection: ClassVar[bool] = False  # True: `score` reads the layer's o_proj weight
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
     arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
     arg_choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # field name -> allowed string values

@@ -1,0 +1,56 @@
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.policies.base import Policy, ScoreInput, arg, register_presets
+from evalkit.policies.scorers import SCORERS
+
+FIRST_STAGE = 2.0 ** 100  # the score of a first-stage pick: above any second-stage score, finite in page sums
+
+
+def critical_of(wrapped: type[Policy]) -> type[Policy]:
+    """`wrapped`'s scores corrected by what each value adds to the layer's output (kvpress's CriticalKVPress(press))."""
+
+    @dataclass
+    class Critical(wrapped):
+        """Two stages: a head's best `first_stage_ratio` x budget tokens by the scorer are kept first;
+        the rest rank by (score + `epsilon`) x the L1 norm of the value through the output projection,
+        ‖v W_o,h‖₁, averaged over the query heads of the KV head."""
+
+        epsilon: float = arg(1e-4, 0.0, 1e6)
+        first_stage_ratio: float = arg(0.5, 0.0, 1.0)
+        description = f"{wrapped.scorer}, then value-aware: (score + ε) × ‖v W_o‖₁ past the first half of the budget"
+        scorer = f"{wrapped.scorer} × projected value norm"
+        paper = ("CriticalKV: Identify Critical KV Cache in LLM Inference from an Output Perturbation "
+                 "Perspective (arXiv:2502.03805)")
+        reads_values = reads_output_projection = True
+
+        def score(self, inp: ScoreInput) -> torch.Tensor:
+            base = super().score(inp).float()  # [B, H_kv, N]
+            live = inp.positions >= 0
+            first = (inp.caps.double() * self.first_stage_ratio).long().clamp(max=base.shape[-1])  # [B]
+            if self.first_stage_ratio > 0:
+                first = first.clamp(min=1)
+            ranked = torch.argsort(base.masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True)
+            picked = torch.zeros_like(live).scatter(
+                -1, ranked, torch.arange(base.shape[-1]).expand_as(ranked) < first[:, None, None]) & live
+            corrected = (base + self.epsilon) * projected_value_norms(inp.values, inp.output_projection)
+            return corrected.masked_fill(picked, FIRST_STAGE)
+
+    Critical.__name__ = Critical.__qualname__ = f"Critical{wrapped.__name__}"
+    return Critical
+
+
+def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
+    """[B, H_kv, N]: ‖v W_o,h‖₁ per query head h, averaged over each KV head's query heads.
+    values: [B, H_kv, N, D]; o_proj: [hidden, H_q * D], the layer's output projection weight."""
+    B, H_kv, N, D = values.shape
+    heads = o_proj.T.reshape(-1, D, o_proj.shape[0]).to(values.dtype)  # [H_q, D, hidden]
+    G = heads.shape[0] // H_kv
+    norms = torch.stack([(values[:, h // G] @ heads[h]).abs().sum(-1) for h in range(heads.shape[0])], 1)
+    return norms.view(B, H_kv, G, N).float().mean(2)
+
+
+for _base, _scorer in SCORERS.items():
+    register_presets(critical_of(_scorer), f"critical_{_base}",
+                     **({"use_vnorm": False} if _base == "expected_attention" else {}))

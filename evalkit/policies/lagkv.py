@@ -1,0 +1,61 @@
+from dataclasses import dataclass
+
+import torch
+
+from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, register_presets
+
+
+@dataclass
+class LagKV(Policy):
+    """Lag-relative scores: each partition of `lag_size` tokens is judged against the next one.
+
+    A head's tokens after the sinks, in position order, are cut into partitions of `lag_size`; a
+    token's keys and values are min-max normalised per channel by the *next* partition's range, and
+    the standard deviation over channels, softmax-ed within the partition, is its key (value) score;
+    the token's score is its rank within the partition by the mean of both, over `lag_size` (kvpress's
+    LagKVPress without cross scoring). The last whole partition and the remainder after it score 1
+    (always kept first); a prompt shorter than sinks + 2 partitions scores by recency. Decode eviction
+    re-scores the tokens held, in position order.
+    """
+
+    sink_tokens: int = arg(4, 0, PROMPT)
+    lag_size: int = arg(128, 1, PROMPT)
+    description = "rank within a 128-token partition of the keys' and values' spread, normalised by the next partition"
+    scorer = "lag-relative key/value spread"
+    paper = "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important (arXiv:2504.04704)"
+    reads_keys = reads_values = True
+    arg_aliases = {"lag": "lag_size"}
+
+    def score(self, inp: ScoreInput) -> torch.Tensor:
+        B, H, N = inp.positions.shape
+        scores = torch.zeros(B, H, N, dtype=torch.float32, device=inp.positions.device)
+        for b in range(B):
+            for h in range(H):
+                held = (inp.positions[b, h] >= 0).nonzero()[:, 0]
+                order = held[torch.argsort(inp.positions[b, h, held])]  # slots in position order
+                scores[b, h, order] = self.sequence_scores(inp.keys[b, h, order].float(), inp.values[b, h, order].float())
+        return scores
+
+    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[n] scores of one head's tokens in position order; keys, values: [n, D]."""
+        n, sink, lag = keys.shape[0], self.sink_tokens, self.lag_size
+        score = torch.ones(n, device=keys.device)
+        if n < sink + 2 * lag:
+            if n > sink:
+                score[sink:] = torch.arange(n - sink, device=keys.device) / (n - sink)
+            return score
+        end = sink + (n - sink) // lag * lag
+        partitions = (end - sink) // lag
+        spread = (self._spread(keys[sink:end].view(partitions, lag, -1))
+                  + self._spread(values[sink:end].view(partitions, lag, -1))) / 2  # [partitions - 1, lag]
+        score[sink:end - lag] = (spread.argsort(-1).argsort(-1) / lag).flatten()
+        return score
+
+    def _spread(self, parts: torch.Tensor) -> torch.Tensor:
+        """[P - 1, lag]: each partition's tokens normalised by the next partition's per-channel range."""
+        reference, judged = parts[1:], parts[:-1]
+        low, high = reference.amin(1, keepdim=True), reference.amax(1, keepdim=True)
+        return ((judged - low) / (high - low)).std(-1).softmax(-1)
+
+
+register_presets(LagKV, "lagkv")
