@@ -155,24 +155,34 @@ def heatmap(
 
 @app.command()
 def policies():
-    """List the registered policies."""
+    """List the registered policies: one row per scorer family, with its name at each granularity."""
     from evalkit.policies import POLICIES, policy_args  # torch: imported here (start-up)
+    from evalkit.policies.base import policy_family
 
-    table = Table(caption="Exact rules: docs/policies.md. --policy-arg KEY=VALUE sets a hyper-parameter.")
-    for column in ("name", "granularity", "saves"):
-        table.add_column(column, no_wrap=True)
-    for column in ("scorer", "description", "differs from the paper", "policy-args", "paper"):
-        table.add_column(column)
+    families: dict[str, list[str]] = {}
     for name in POLICIES.names():
-        policy = POLICIES.create(name)
-        aliases = POLICIES.aliases_of(name)
-        label = name + "".join(f"\n({alias})" for alias in aliases)
+        families.setdefault(policy_family(name, None)[0], []).append(name)
+    wrappers = ("adakv_", "critical_")  # listed after the scorers they wrap
+    order = sorted(families, key=lambda family: (family.startswith(wrappers), family))
+    table = Table(caption="Exact rules: docs/policies.md. --policy-arg KEY=VALUE sets a hyper-parameter.")
+    table.add_column("policies", no_wrap=True)  # names whole, each alias on its own line
+    table.add_column("saves", no_wrap=True)
+    for column in ("description", "kvpress 0.5.5", "differs from the paper", "policy-args"):
+        table.add_column(column, overflow="fold")
+    table.add_column("paper", min_width=20)  # an arXiv id on one line
+    for family in order:
+        names = families[family]
+        policy = POLICIES.create(names[0])
         active = policy.evicts or policy.restricts_reads
+        labels = [name + "".join(f"\n  = {alias}" for alias in POLICIES.aliases_of(name)) for name in names]
+        if len(names) == 1 and active:  # no presets: --granularity picks any it does not refuse
+            refused = ", ".join(policy.cannot_run_at)
+            labels.append(f"  --granularity: any{' but ' + refused if refused else ''} ({policy.granularity})")
         short = {field: key for key, field in policy.arg_aliases.items()}
         args = ", ".join(f"{short.get(field, field)}={getattr(policy, field)}" for field in policy_args(policy))
-        table.add_row(label, policy.granularity if active else "-", policy.saves if active else "-",
-                      policy.scorer, policy.description, policy.differs or "-", args if active else "-",
-                      policy.paper)
+        differs = "; ".join([policy.differs] * bool(policy.differs) + list(policy.cannot_run_at.values())) or "-"
+        table.add_row("\n".join(labels), policy.saves if active else "-", policy.description,
+                      policy.kvpress or "-", differs, args if active else "-", policy.paper)
     _wide().print(table)
 
 

@@ -11,8 +11,9 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, explain_unknown: Callable[[str], str | None] = lambda name: None):
         self.kind = kind
+        self.explain_unknown = explain_unknown  # a one-line reason for an unknown name, or None
         self._entries: dict[str, Callable[[], T]] = {}
         self._aliases: dict[str, str] = {}
 
@@ -32,6 +33,8 @@ class Registry(Generic[T]):
     def canonical(self, name: str) -> str:
         name = self._aliases.get(name, name)
         if name not in self._entries:
+            if (reason := self.explain_unknown(name)) is not None:
+                raise EvalkitError(reason)
             known = [*self._entries, *self._aliases]
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
 
-from evalkit.policies.base import POLICIES, Policy, arg
+from evalkit.policies.base import POLICIES, Policy, arg, register_wrapper
 from evalkit.policies.scorers import SCORERS
 from evalkit.policies.selection import Granularity, select_adaptive
 
@@ -23,6 +23,7 @@ def adakv_of(wrapped: type[Policy]) -> type[Policy]:
         description = f"{wrapped.scorer} scores; one budget per layer split across KV heads by score (adaptive)"
         scorer = f"{wrapped.scorer}, adaptive head budgets"
         paper = "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation (arXiv:2407.11550)"
+        kvpress = f"AdaKVPress({wrapped.kvpress.split(' ')[0]})" if wrapped.kvpress else ""
         differs = "at token and page granularity there is one set for all heads, nothing to reallocate: it is the scorer alone"
         cannot_run_at = {Granularity.HEAD_PAGE: "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
 
@@ -38,3 +39,4 @@ def adakv_of(wrapped: type[Policy]) -> type[Policy]:
 for _base, _scorer in SCORERS.items():
     POLICIES.register(f"adakv_{_base}", lambda c=adakv_of(_scorer), n=f"adakv_{_base}": c(name=n),
                       aliases=("adakv",) if _base == "snapkv" else ())
+register_wrapper("adakv", tuple(SCORERS))

@@ -75,6 +75,7 @@ class Policy:
     scorer: ClassVar[str] = ""  # what a token is worth, in a few words
     paper: ClassVar[str] = ""
     differs: ClassVar[str] = ""  # where evalkit departs from the paper / reference code, on purpose
+    kvpress: ClassVar[str] = ""  # kvpress 0.5.5's counterpart (at head granularity), if it has one
     saves: ClassVar[str] = "memory"  # or "bandwidth" for policies that evict nothing
     collect_prefill: ClassVar[str | None] = None
     collect_decode: ClassVar[str | None] = None
@@ -137,10 +138,28 @@ class Policy:
         check_budget(budget, length, block_size, self.granularity if whole_pages else None)
 
 
-POLICIES: Registry[Policy] = Registry("policy")
+# Wrapper prefix ("adakv", "critical") -> the scorers it wraps, for one line on `<prefix>_<anything else>`.
+_WRAPPERS: dict[str, tuple[str, ...]] = {}
+
+
+def _unknown_wrapping(name: str) -> str | None:
+    """Why `name` is unknown when it wraps something its wrapper does not take (`critical_quest`, `adakv_full`)."""
+    for prefix, scorers in _WRAPPERS.items():
+        if name.startswith(prefix + "_"):
+            return (f"{prefix} does not wrap {name[len(prefix) + 1:]!r}: it wraps {', '.join(scorers)} "
+                    f"(e.g. {prefix}_{scorers[0]})")
+    return None
+
+
+POLICIES: Registry[Policy] = Registry("policy", _unknown_wrapping)
 # Preset name -> (family base, granularity) and back, for the names of what runs (`policy_label`).
 _PRESETS: dict[str, tuple[str, Granularity]] = {}
 _PRESET_NAMES: dict[tuple[str, Granularity], str] = {}
+
+
+def register_wrapper(prefix: str, scorers: tuple[str, ...]) -> None:
+    """Name the scorers wrapper `prefix` wraps (its policies are `<prefix>_<scorer>`)."""
+    _WRAPPERS[prefix] = scorers
 
 
 def register_presets(cls: type[Policy], base: str, default: Granularity = Granularity.HEAD,

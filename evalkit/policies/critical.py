@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import Policy, ScoreInput, arg, register_presets
+from evalkit.policies.base import Policy, ScoreInput, arg, register_presets, register_wrapper
 from evalkit.policies.scorers import SCORERS
 
 FIRST_STAGE = 2.0 ** 100  # the score of a first-stage pick: above any second-stage score, finite in page sums
@@ -23,6 +23,7 @@ def critical_of(wrapped: type[Policy]) -> type[Policy]:
         scorer = f"{wrapped.scorer} × projected value norm"
         paper = ("CriticalKV: Identify Critical KV Cache in LLM Inference from an Output Perturbation "
                  "Perspective (arXiv:2502.03805)")
+        kvpress = f"CriticalKVPress({wrapped.kvpress.split(' ')[0]})" if wrapped.kvpress else ""
         reads_values = reads_output_projection = True
 
         def score(self, inp: ScoreInput) -> torch.Tensor:
@@ -54,3 +55,4 @@ def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor) -> torch.T
 for _base, _scorer in SCORERS.items():
     register_presets(critical_of(_scorer), f"critical_{_base}",
                      **({"use_vnorm": False} if _base == "expected_attention" else {}))
+register_wrapper("critical", tuple(SCORERS))

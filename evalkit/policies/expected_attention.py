@@ -26,6 +26,7 @@ class ExpectedAttention(Policy):
     description = "expected attention of future queries (prompt query mean/covariance, RoPE averaged ahead) × ‖v‖"
     scorer = "expected attention from query statistics"
     paper = "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution (arXiv:2510.00636)"
+    kvpress = "ExpectedAttentionPress"
     differs = "decode eviction scores decoded keys with the prompt's query statistics (kvpress compresses the prefill only)"
     reads_keys = reads_values = reads_query_moments = True
     arg_aliases = {"n_future": "n_future_positions", "n_sink": "sink_tokens"}

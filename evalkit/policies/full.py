@@ -11,6 +11,7 @@ class Full(Policy):
 
     description = "no eviction: the full cache every other policy is compared with"
     scorer = "-"
+    kvpress = "no press"
     evicts = False
 
     def score(self, inp: ScoreInput) -> torch.Tensor:

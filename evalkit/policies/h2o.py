@@ -22,6 +22,7 @@ class H2O(Policy):
     description = "accumulated attention (heavy hitters) + recent window (half the budget)"
     scorer = "accumulated attention"
     paper = "H2O: Heavy-Hitter Oracle (arXiv:2306.14048)"
+    kvpress = "ObservedAttentionPress (normalize=true recent_fraction=0)"
     collect_prefill = collect_decode = "attention"
     arg_aliases = {"recent": "recent_fraction"}
 

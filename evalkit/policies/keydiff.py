@@ -17,6 +17,7 @@ class KeyDiff(Policy):
     description = "keeps the keys least similar (cosine) to the head's mean key; needs no attention"
     scorer = "negative cosine similarity to the mean key"
     paper = "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference (arXiv:2504.15364)"
+    kvpress = "KeyDiffPress"
     differs = "scores the whole prompt at once as kvpress's KeyDiffPress, not block by block as the paper"
     reads_keys = True
 

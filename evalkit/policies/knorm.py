@@ -12,6 +12,7 @@ class KeyNorm(Policy):
     description = "keeps the keys of lowest L2 norm; needs no attention statistics"
     scorer = "negative key L2 norm"
     paper = "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)"
+    kvpress = "KnormPress"
     reads_key_norms = True
 
     def score(self, inp: ScoreInput) -> torch.Tensor:

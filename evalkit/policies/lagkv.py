@@ -23,6 +23,7 @@ class LagKV(Policy):
     description = "rank within a 128-token partition of the keys' and values' spread, normalised by the next partition"
     scorer = "lag-relative key/value spread"
     paper = "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important (arXiv:2504.04704)"
+    kvpress = "LagKVPress"
     reads_keys = reads_values = True
     arg_aliases = {"lag": "lag_size"}
 

@@ -22,6 +22,7 @@ class PyramidKV(SnapKV):
     description = "SnapKV scores; per-layer budgets on a linear pyramid above the window, same total"
     scorer = "window attention + pooling, pyramid budgets"
     paper = "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling (arXiv:2406.02069)"
+    kvpress = "PyramidKVPress"
     differs = ("layer budgets rounded by largest remainders so the total equals the uniform one exactly "
                "(KVCache-Factory floors the step and keeps a few % more)")
 

@@ -11,6 +11,7 @@ class RandomPolicy(Policy):
 
     description = "keeps random tokens: the floor any scorer must beat"
     scorer = "random priority"
+    kvpress = "RandomPress"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, H, _ = inp.positions.shape

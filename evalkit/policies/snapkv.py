@@ -25,6 +25,7 @@ class SnapKV(Policy):
     description = "attention from the last 32 prompt queries, max-pooled (k=7) over the prefix; the window kept"
     scorer = "window attention + pooling"
     paper = "SnapKV: LLM Knows What You are Looking for Before Generation (arXiv:2404.14469)"
+    kvpress = "SnapKVPress (window=64 kernel=5 pooling=avg)"
     differs = "decode eviction (on by default) evicts prompt tokens only, lowest prefill score first"
     collect_prefill = "window"
     arg_aliases = {"window": "observation_window", "kernel": "kernel_size"}

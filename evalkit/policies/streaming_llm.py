@@ -14,6 +14,7 @@ class StreamingLLM(Policy):
     description = "first 4 tokens (attention sinks) + a recent window filling the rest of the budget"
     scorer = "position only"
     paper = "Efficient Streaming Language Models with Attention Sinks (arXiv:2309.17453)"
+    kvpress = "StreamingLLMPress"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return torch.zeros_like(inp.attention)
