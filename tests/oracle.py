@@ -63,24 +63,29 @@ class Spec:
     normalize: bool = False  # H2O: divide by the number of queries that could see the token
     beta: float = 20.0  # PyramidKV
     alpha: float = 0.2  # Ada-KV safeguard
+    dense_layers: int = 2  # Quest: the first layers read everything
+    min_pages: int = 3  # Quest: pages a decode query reads at least
 
 
 def published_spec(family: str, granularity: str = "head", **overrides) -> Spec:
-    """The published defaults: H2O half the budget recent; TOVA the last query; SnapKV w=32,
-    kernel 7, max pooling, its window protected; StreamingLLM 4 sinks + recent rest."""
+    """The published defaults: H2O half the budget recent; TOVA the last query, the newest token
+    kept (kvpress pads its score with max + 1); SnapKV w=32, kernel 7, max pooling, its window
+    protected on top of any recent tokens; StreamingLLM 4 sinks + recent rest; Quest two dense
+    layers, at least 3 pages."""
     if family not in FAMILIES:
         raise KeyError(f"the oracle has no rule for policy family {family!r}: add it to tests/oracle.py")
     fields = {
         "h2o": dict(recent_fraction=0.5),
-        "tova": dict(window=1),
+        "tova": dict(window=1, recent_tokens=1),
         "snapkv": dict(window=32, kernel=7, pooling="max"),
         "pyramidkv": dict(window=32, kernel=7, pooling="max", beta=20.0),
         "adakv": dict(window=32, kernel=7, pooling="max", alpha=0.2),
         "streaming_llm": dict(sinks=4, recent_fraction=1.0),
+        "quest": dict(dense_layers=2, min_pages=3),
     }.get(family, {})
     fields.update(overrides)
-    if family in SNAPKV_FAMILY and "recent_tokens" not in overrides:
-        fields["recent_tokens"] = fields["window"]  # the observation window itself is protected
+    if family in SNAPKV_FAMILY:  # the observation window itself is protected, on top of recent_tokens
+        fields["recent_tokens"] = fields.get("recent_tokens", 0) + fields["window"]
     return Spec(family, granularity, **fields)
 
 
@@ -267,7 +272,7 @@ class Sequence:
         T = query.shape[2]
         assert T == self.seen and query.shape[0] == 1
         self.keys[l] = key[0]
-        if self.quest_pages is not None and l >= 2:  # layers 0 and 1 read everything, as published
+        if self.quest_pages is not None and l >= self.spec.dense_layers:  # the first layers read everything
             self.choose_quest_reads(l, query[0, :, T - 1], key[0])
         per_head = [self.visible(l, h) for h in range(self.H)]
         allowed = torch.stack([per_head[qh // self.G] for qh in range(self.H * self.G)])  # [H_q, T, T]
@@ -491,7 +496,7 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
 
         q = len(appended)
         if spec.family == "quest" and k < n:  # nothing evicted; decode queries read the best pages
-            seq.quest_pages = max(3, math.ceil((k + q) / settings.block_size))
+            seq.quest_pages = max(spec.min_pages, math.ceil((k + q) / settings.block_size))
         for step in range(max_new_tokens):
             token = int(logits.argmax())
             trace.tokens.append(token)

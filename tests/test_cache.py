@@ -706,3 +706,56 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
                 for p, (k, v, stat) in paged_tokens.items():
                     assert torch.equal(dense_tokens[p][0], k) and torch.equal(dense_tokens[p][1], v)
                     assert dense_tokens[p][2] == stat
+
+
+# --- decode eviction: the pages held are the pages the tokens need --------------------------------
+
+def check_pages_held(layer, hole_per_head: bool) -> None:
+    """Every page a head holds has a live token, and the pool counts exactly the pages in the tables. With no
+    hole (after a decode append) a head holds ceil(live / S) pages; with the one a decode eviction leaves, the
+    lost token's page may stay (its other tokens live): at most ceil((live + 1) / S)."""
+    S, pool = layer.block_size, layer.pool
+    live = layer.live_counts()
+    for b in range(layer.batch):
+        for h in range(layer.kv_heads):
+            table, n = layer.tables[b][h], int(live[b, h])
+            empty = [p for p in table if not bool((layer.pos[p * S:(p + 1) * S] >= 0).any())]
+            assert not empty, f"sequence {b}, head {h}: pages {empty} held with no live token ({n} live, {table})"
+            most = math.ceil((n + 1) / S) if hole_per_head else math.ceil(n / S)
+            assert math.ceil(n / S) <= len(table) <= most, (b, h, n, table)
+    assert pool.num_used == sum(len(t) for row in layer.tables for t in row) == pool.num_pages - pool.num_free
+    assert layer.held_slots().tolist() == [sum(len(t) for t in row) * S for row in layer.tables]
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4])
+@pytest.mark.parametrize("prompt", range(4, 13))
+def test_decode_eviction_holds_only_the_pages_its_tokens_need(S, prompt):
+    """The loop's decode eviction at head granularity: each step every head appends a token, then loses one
+    through `read(trim=True)`'s view of its first n slots. There `PagedLayer._release_empty` knows each head
+    held n slots and lost one, so only n % S == 1 can empty a page (the last slot's, alone on it; any page
+    when S = 1): a prompt that is a multiple of S (n = prompt + 1) must give that page back, the others
+    keep every page that still holds a token. Half the time a head loses its last live slot in fill order."""
+    B, H, steps = 2, 2, 6
+    layer = paged(B, H, B * H * math.ceil((prompt + steps) / S) + 2, S)
+    g = torch.Generator().manual_seed(S * 100 + prompt)
+    append(layer, [list(range(prompt))] * B)
+    check_pages_held(layer, hole_per_head=False)
+    released_from_the_view = 0
+    for step in range(steps):
+        position = prompt + step
+        append(layer, [[position]] * B, tag=position)
+        check_pages_held(layer, hole_per_head=False)
+        view = layer.read(trim=True)  # every head's first n slots while packed (no page released yet)
+        live = view.pos >= 0
+        slot = torch.arange(live.shape[-1])
+        last = slot == torch.where(live, slot, -1).amax(-1, keepdim=True)  # [B, H, N] each head's last live slot
+        other = torch.rand(live.shape, generator=g).masked_fill(~live | last, -1).argmax(-1, keepdim=True)
+        lose_last = torch.rand(B, H, 1, generator=g) < 0.5
+        dropped = torch.where(lose_last, last, torch.zeros_like(last).scatter(-1, other, True))
+        used = layer.pool.num_used
+        layer.evict(view.index, ~dropped)
+        released_from_the_view += view.all_live and layer.pool.num_used < used
+        check_pages_held(layer, hole_per_head=True)
+        assert layer.live_counts().tolist() == [[prompt] * H] * B
+    if prompt % S == 0:  # n = prompt + 1 = 1 (mod S): the shortcut's one case that frees a page was reached
+        assert released_from_the_view, "no page emptied through the packed view: the test misses its case"

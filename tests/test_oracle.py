@@ -12,6 +12,11 @@ Cases whose policy is identical to an earlier one (e.g. `h2o_page` at granularit
 `h2o_head`) are not repeated; granularities a policy refuses are listed as skips. A policy the
 oracle has no rule for fails until tests/oracle.py learns it.
 
+Every hyper-parameter of every family also leaves its default in some case (HYPER_CASES, with other block
+and chunk sizes; `test_every_hyper_parameter_is_varied_against_the_oracle` fails for one that does not),
+kvpress's parity settings (docs/fidelity.md) are cases, and every registered name and alias, made as named,
+is held to the oracle at the granularity tests/test_policies.py pins for it.
+
 Mutation tests show the comparison has teeth: H2O without decode accumulation, and a SnapKV
 window one query too wide, each make evalkit disagree with the oracle.
 """
@@ -28,12 +33,13 @@ import torch
 
 from conftest import TINY, tiny_config
 from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_budgets, run_oracle
+from test_policies import every_name, published_granularity
 
 import evalkit.attention
 import evalkit.policies.h2o
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
-from evalkit.policies import GRANULARITIES, POLICIES, make_policy
+from evalkit.policies import GRANULARITIES, POLICIES, make_policy, policy_args
 
 BUDGETS = (0.1, 0.3, 0.6)
 BLOCK = 4
@@ -52,8 +58,13 @@ VARIANTS = {
     "pyramidkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
     "adakv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
 }
-ORACLE_ARG = {"window": ("window", int), "kernel": ("kernel", int), "pooling": ("pooling", str),
-              "normalize": ("normalize", lambda text: text == "true")}
+# --policy-arg key -> (the oracle's Spec field, its parse).
+ORACLE_ARG = {"window": ("window", int), "observation_window": ("window", int), "kernel": ("kernel", int),
+              "pooling": ("pooling", str), "normalize": ("normalize", lambda text: text == "true"),
+              "sink_tokens": ("sinks", int), "recent_tokens": ("recent_tokens", int),
+              "recent_fraction": ("recent_fraction", float), "beta": ("beta", float),
+              "alpha_safeguard": ("alpha", float), "dense_layers": ("dense_layers", int),
+              "min_pages": ("min_pages", int)}
 
 # Environments: a fixed covering table, one row per (granularity, budget) cell of a family (found by a
 # seeded search, checked below). Within a family, any two of the five factors show all four value
@@ -179,10 +190,10 @@ def _snapshot(cache):
                   for pos in per_layer) for b in range(B)]
 
 
-def run_evalkit(name, granularity, args, budget, env, new_tokens, requests):
+def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, block_size=BLOCK, chunk_size=CHUNK):
     policy = make_policy(name, granularity, args)
-    settings = GenerationSettings(policy, budget=budget, layout=env["layout"], block_size=BLOCK,
-                                  prefill=env["prefill"], chunk_size=CHUNK, query_aware=env["query_aware"],
+    settings = GenerationSettings(policy, budget=budget, layout=env["layout"], block_size=block_size,
+                                  prefill=env["prefill"], chunk_size=chunk_size, query_aware=env["query_aware"],
                                   decode_eviction=env["decode_eviction"], seed=SEED)
     events = []
     out = generate(model(env["arch"]), None, [Request(c, q, new_tokens) for c, q in requests], settings,
@@ -201,15 +212,21 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests):
     return [g.token_ids for g in out], chunks, prefill, steps, {e for e, _ in events}
 
 
-def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None) -> str | None:
-    """None when evalkit and the oracle agree on every step; else where they first differ."""
+def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, block_size=BLOCK,
+                 chunk_size=CHUNK, own_granularity=False) -> str | None:
+    """None when evalkit and the oracle agree on every step; else where they first differ. With
+    `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`."""
     requests = requests or batch()
     family = family_of(name)
     overrides = {ORACLE_ARG[k][0]: ORACLE_ARG[k][1](v) for k, v in args.items()}
     spec = published_spec(family, granularity, **overrides)
-    settings = Settings(budget, BLOCK, env["prefill"], CHUNK, env["query_aware"], env["decode_eviction"], SEED)
-    tokens, chunks, prefill, steps, events = run_evalkit(name, granularity, args, budget, env, new_tokens, requests)
-    case = (f"policy={name} granularity={granularity} args={args or 'published'} budget={budget} "
+    settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
+                        SEED)
+    tokens, chunks, prefill, steps, events = run_evalkit(name, None if own_granularity else granularity, args,
+                                                         budget, env, new_tokens, requests, block_size, chunk_size)
+    sizes = "" if (block_size, chunk_size) == (BLOCK, CHUNK) else f" block={block_size} chunk={chunk_size}"
+    case = (f"policy={name} granularity={granularity}{' (its own)' if own_granularity else ''} "
+            f"args={args or 'published'} budget={budget}{sizes} "
             f"[{env['arch']}, {env['layout']}, prefill={env['prefill']}, "
             f"{'query-aware' if env['query_aware'] else 'query-agnostic'}, "
             f"decode eviction {'on' if env['decode_eviction'] else 'off'}]")
@@ -264,6 +281,120 @@ def test_evalkit_keeps_what_the_oracle_keeps(name, granularity, args, budget, en
     if family_of(name) is None:
         pytest.fail(f"policy {name!r} is registered but tests/oracle.py has no rule for it")
     message = disagreement(name, granularity, args, budget, env)
+    assert message is None, message
+
+
+# --- every hyper-parameter, every name, the kvpress parity settings -------------------------------
+
+DECODING = dict(arch="llama", layout="paged", prefill="full", query_aware=True, decode_eviction=True)
+CHUNKED = dict(arch="qwen2", layout="dense", prefill="chunked", query_aware=False, decode_eviction=True)
+PAGED_CHUNKED = dict(arch="llama", layout="paged", prefill="chunked", query_aware=True, decode_eviction=True)
+# kvpress's protocol (docs/fidelity.md): the context compressed once, the question after it, no decode eviction
+KVPRESS = dict(arch="llama", layout="paged", prefill="full", query_aware=False, decode_eviction=False)
+
+
+def long_batch():
+    """Two contexts long enough that a 64-query window leaves a prefix to select from (110 and 90 tokens)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = []
+    for c, q in ((110, 5), (90, 4)):
+        ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + q] + 3).tolist()
+        prompts.append((ids[:c], ids[c:]))
+    return prompts
+
+
+# (name, granularity, --policy-arg, budget, environment, settings): each hyper-parameter away from its default
+# where it decides something (block sizes at page granularities and Quest, chunk sizes in chunked prefills).
+HYPER_CASES = [
+    ("h2o_head", "head", {"sink_tokens": "3", "recent_fraction": "0.25"}, 0.3, DECODING, {}),
+    ("h2o_page", "page", {"recent_fraction": "0", "recent_tokens": "5", "observation_window": "4"}, 0.3,
+     PAGED_CHUNKED, {"block_size": 2, "chunk_size": 7}),
+    ("tova_token", "token", {"recent_tokens": "0", "sink_tokens": "2"}, 0.3, DECODING, {}),  # the paper's rule
+    ("tova_head", "head", {"observation_window": "3", "recent_fraction": "0.25", "recent_tokens": "2"}, 0.3,
+     CHUNKED, {}),
+    ("snapkv_head", "head", {"window": "8", "sink_tokens": "2", "recent_tokens": "3"}, 0.3, DECODING, {}),
+    ("snapkv_token", "token", {"window": "6", "kernel": "3", "recent_fraction": "0.3"}, 0.6, PAGED_CHUNKED,
+     {"chunk_size": 32}),
+    ("pyramidkv_head", "head", {"window": "8", "beta": "2"}, 0.6, DECODING, {}),
+    ("pyramidkv_head_page", "head_page", {"window": "6", "kernel": "3", "beta": "5", "sink_tokens": "2",
+                                          "recent_tokens": "2"}, 0.6, CHUNKED, {"block_size": 2}),
+    ("pyramidkv_token", "token", {"window": "8", "pooling": "avg", "recent_fraction": "0.2"}, 0.3, DECODING, {}),
+    ("adakv_snapkv", "head", {"window": "8", "alpha_safeguard": "0.5"}, 0.3, DECODING, {}),
+    ("adakv_snapkv", "head", {"window": "6", "kernel": "3", "alpha_safeguard": "0", "sink_tokens": "2"}, 0.3,
+     CHUNKED, {}),
+    ("adakv_snapkv", "head", {"window": "8", "pooling": "avg", "alpha_safeguard": "0.9", "recent_tokens": "3",
+                              "recent_fraction": "0.2"}, 0.6, PAGED_CHUNKED, {}),
+    ("knorm_head", "head", {"sink_tokens": "3", "recent_tokens": "2"}, 0.3, DECODING, {}),
+    ("knorm_head_page", "head_page", {"recent_fraction": "0.5", "observation_window": "5"}, 0.3, CHUNKED,
+     {"block_size": 8}),
+    ("random", "head", {"sink_tokens": "2", "recent_fraction": "0.3", "recent_tokens": "1",
+                        "observation_window": "5"}, 0.3, DECODING, {}),
+    ("streaming_llm", "head", {"sink_tokens": "0", "recent_fraction": "0.5"}, 0.3, DECODING, {}),
+    ("streaming_llm", "page", {"sink_tokens": "6", "recent_fraction": "0", "recent_tokens": "3",
+                               "observation_window": "5"}, 0.3, CHUNKED, {"block_size": 8}),
+    ("quest", "head", {"dense_layers": "0", "min_pages": "1"}, 0.1, DECODING, {}),  # 2 pages read, not 3
+    ("quest_token", "token", {"dense_layers": "1", "min_pages": "5", "sink_tokens": "2", "recent_fraction": "0.5",
+                              "recent_tokens": "2", "observation_window": "3"}, 0.3, DECODING, {"block_size": 8}),
+    ("full", "head", {"sink_tokens": "2", "recent_fraction": "0.5", "recent_tokens": "1",
+                      "observation_window": "3"}, 0.3, DECODING, {}),
+    # scripts/parity_kvpress.py's settings (docs/fidelity.md): ObservedAttention at its keeps 50 % and 20 %, and
+    # SnapKVPress(window_size=64, kernel_size=5) on contexts long enough for a 64-query window
+    ("h2o_head", "head", {"normalize": "true", "recent_fraction": "0"}, 0.5, KVPRESS, {}),
+    ("h2o_head", "head", {"normalize": "true", "recent_fraction": "0"}, 0.2, KVPRESS, {}),
+    ("snapkv_head", "head", {"window": "64", "kernel": "5", "pooling": "avg"}, 0.8, KVPRESS, {"long": True}),
+]
+
+
+def _hyper_id(name, granularity, args, budget, env, sizes) -> str:
+    label = ",".join(f"{k}={v}" for k, v in [*args.items(), *sizes.items()])
+    return f"{name}-{granularity}-{label}-{budget}-{'kvpress' if env is KVPRESS else env['prefill']}"
+
+
+@pytest.mark.parametrize("name, granularity, args, budget, env, sizes",
+                         [pytest.param(*case, id=_hyper_id(*case)) for case in HYPER_CASES])
+def test_hyper_parameters_against_the_oracle(name, granularity, args, budget, env, sizes):
+    sizes = dict(sizes)
+    requests = long_batch() if sizes.pop("long", False) else None
+    message = disagreement(name, granularity, args, budget, env, requests=requests, **sizes)
+    assert message is None, message
+
+
+def test_every_hyper_parameter_is_varied_against_the_oracle():
+    """Each hyper-parameter of each family the oracle knows leaves its default in some oracle case (VARIANTS or
+    HYPER_CASES), and so do the block size and the chunk size (in a chunked prefill): a new one fails here
+    until a case varies it."""
+    cases = [(name, granularity, args) for name, granularity, args, *_ in HYPER_CASES]
+    cases += [(family, None, args) for family, variants in VARIANTS.items() for args in variants]  # `h2o`: h2o_head
+    varied = {}
+    for name, granularity, args in cases:
+        policy, default = make_policy(name, granularity, args), make_policy(name, granularity)
+        varied.setdefault(family_of(name), set()).update(
+            key for key in policy_args(policy) if getattr(policy, key) != getattr(default, key))
+    missing = sorted({f"{family_of(name)}: {key}" for name in POLICIES.names() if family_of(name) is not None
+                      for key in policy_args(make_policy(name)) if key not in varied.get(family_of(name), ())})
+    assert not missing, f"hyper-parameters no oracle case varies (add one to HYPER_CASES): {missing}"
+    assert {sizes["block_size"] for *_, sizes in HYPER_CASES if "block_size" in sizes} - {BLOCK}
+    assert {sizes["chunk_size"] for *_, env, sizes in HYPER_CASES
+            if "chunk_size" in sizes and env["prefill"] == "chunked"} - {CHUNK}
+
+
+def _named_cases():
+    """Every registered name and alias, made as named (no --granularity), and the granularity
+    tests/test_policies.py pins for it."""
+    return [pytest.param(name, published_granularity(name), (DECODING, CHUNKED)[i % 2], id=name)
+            for i, name in enumerate(every_name())]
+
+
+@pytest.mark.parametrize("name, granularity, env", _named_cases())
+def test_every_name_and_alias_runs_at_its_published_granularity(name, granularity, env):
+    """A preset named after its granularity (`h2o_page`) must be the policy the main cases run at that
+    granularity; any other name (`tova`, `h2o_block1`, `adakv`, `quest`) runs against the oracle."""
+    if family_of(name) is None or granularity is None:
+        pytest.fail(f"{name!r}: tests/oracle.py has no rule for it, or tests/test_policies.py no granularity")
+    if name.endswith(f"_{granularity}"):
+        assert _identity(make_policy(name)) == _identity(make_policy(name, granularity)), name
+        return
+    message = disagreement(name, granularity, {}, 0.3, env, own_granularity=True)
     assert message is None, message
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import tiny_config, tiny_model
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
-from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES, POLICIES, ScoreInput, make_policy, keep_mask
+from evalkit.policies import (GRANULARITIES, PAGE_GRANULARITIES, POLICIES, ScoreInput, keep_mask, make_policy,
+                              policy_args)
 
 
 def score_input(attention=None, keys=None, positions=None, stat_end=None, layer=0, seed=0):
@@ -328,6 +329,93 @@ def test_check_budget_refuses_less_than_one_page_at_page_granularities():
     make_policy("quest").check_budget(2, 16, 100)
 
 
+# --- published defaults ------------------------------------------------------------------------
+
+# Every hyper-parameter (`policy_args`) of every family at its published value, written out here, never read
+# from a policy: a default that moves, or a hyper-parameter added without its value here, fails the test.
+_NO_PROTECTION = dict(sink_tokens=0, recent_fraction=0.0, recent_tokens=0, observation_window=0)
+_SNAPKV = dict(_NO_PROTECTION, observation_window=32, kernel_size=7, pooling="max")
+PUBLISHED_DEFAULTS = {
+    "full": _NO_PROTECTION,  # nothing evicted
+    "random": _NO_PROTECTION,  # the floor: nothing protected
+    "knorm": _NO_PROTECTION,  # Devoto et al. (arXiv:2406.11430); kvpress's KnormPress: no sinks, no window
+    # StreamingLLM (arXiv:2309.17453): 4 attention sinks, the rest of the budget the recent window
+    # (kvpress's StreamingLLMPress(n_sink=4))
+    "streaming_llm": dict(_NO_PROTECTION, sink_tokens=4, recent_fraction=1.0),
+    # H2O (arXiv:2306.14048): heavy-hitter and recent budgets equal, half the budget recent; plain sums
+    # (normalize=true is kvpress's ObservedAttention, an option)
+    "h2o": dict(_NO_PROTECTION, recent_fraction=0.5, normalize=False),
+    # TOVA (arXiv:2401.06104): the last query's attention (a window of 1); the newest token kept, as
+    # kvpress 0.5.5's TOVAPress pads its score with max + 1
+    "tova": dict(_NO_PROTECTION, observation_window=1, recent_tokens=1),
+    # SnapKV (arXiv:2404.14469; KVCache-Factory's SnapKV runs): observation window 32, max pooling of width 7
+    "snapkv": _SNAPKV,
+    # PyramidKV (arXiv:2406.02069; KVCache-Factory's PyramidKVCluster): SnapKV's, beta 20
+    "pyramidkv": dict(_SNAPKV, beta=20.0),
+    # Quest (arXiv:2406.10774; evaluation/quest_attention.py): layers 0 and 1 dense, at least 3 pages read
+    "quest": dict(_NO_PROTECTION, dense_layers=2, min_pages=3),
+    # KeyDiff (arXiv:2504.15364; kvpress 0.5.5's KeyDiffPress): no hyper-parameter of its own
+    "keydiff": _NO_PROTECTION,
+    # LagKV (arXiv:2504.04704; kvpress 0.5.5's LagKVPress): n_sink 4, lag_size 128
+    "lagkv": dict(_NO_PROTECTION, sink_tokens=4, lag_size=128),
+    # Expected Attention (arXiv:2510.00636; kvpress 0.5.5's ExpectedAttentionPress): n_future_positions 512,
+    # n_sink 4, covariance and value norm on, epsilon 0
+    "expected_attention": dict(_NO_PROTECTION, sink_tokens=4, n_future_positions=512, use_covariance=True,
+                               use_vnorm=True, epsilon=0.0),
+}
+_WRAPPED = ("h2o", "snapkv", "tova", "knorm", "keydiff", "lagkv", "expected_attention")
+# Ada-KV over any scorer (arXiv:2407.11550; kvpress 0.5.5's AdaKVPress(press), alpha_safeguard=0.20): the
+# scorer's, a safeguard of 0.2; `adakv` is `adakv_snapkv`
+PUBLISHED_DEFAULTS |= {f"adakv_{s}": dict(PUBLISHED_DEFAULTS[s], alpha_safeguard=0.2) for s in _WRAPPED}
+PUBLISHED_DEFAULTS["adakv"] = PUBLISHED_DEFAULTS["adakv_snapkv"]
+# CriticalKV over any scorer (arXiv:2502.03805; kvpress 0.5.5's CriticalKVPress(press)): the scorer's, epsilon
+# 1e-4, first_stage_ratio 0.5; Expected Attention without its value norm (kvpress warns it should be off)
+PUBLISHED_DEFAULTS |= {f"critical_{s}": dict(PUBLISHED_DEFAULTS[s], epsilon=1e-4, first_stage_ratio=0.5,
+                                             **({"use_vnorm": False} if s == "expected_attention" else {}))
+                       for s in _WRAPPED}
+# Names that do not end in their granularity (`<family>_<granularity>` runs at that granularity).
+OWN_GRANULARITY = {
+    "full": "head", "random": "head", "streaming_llm": "head", "quest": "head",
+    "adakv": "head", "h2o": "head", "snapkv": "head", "pyramidkv": "head", "knorm": "head",
+    "h2o_block1": "token",  # H2O's block size 1: one set of single tokens for all heads
+    "tova": "token",  # TOVA as published: one set per layer, from all heads' attention
+    "keydiff": "head", "lagkv": "head", "expected_attention": "head",  # kvpress scores per KV head
+    **{f"adakv_{s}": "head" for s in _WRAPPED},  # Ada-KV reallocates across heads: head granularity
+    # CriticalKV corrects each KV head's scores by its own projected values (TOVA's too): per head
+    **{f"critical_{s}": "head" for s in _WRAPPED},
+}
+
+
+def every_name():
+    """Every registered name and alias."""
+    return sorted({*POLICIES.names(), *(a for n in POLICIES.names() for a in POLICIES.aliases_of(n))})
+
+
+def published_granularity(name: str) -> str | None:
+    suffix = next((g for g in sorted(GRANULARITIES, key=len, reverse=True) if name.endswith(f"_{g}")), None)
+    return suffix or OWN_GRANULARITY.get(name)
+
+
+@pytest.mark.parametrize("name", every_name())
+def test_every_policy_has_its_published_defaults(name):
+    family = next((f for f in sorted(PUBLISHED_DEFAULTS, key=len, reverse=True)
+                   if name == f or name.startswith(f + "_")), None)
+    if family is None:
+        pytest.fail(f"policy {name!r} has no family in PUBLISHED_DEFAULTS (tests/test_policies.py): add its "
+                    f"published hyper-parameters, with where they come from")
+    policy, expected = make_policy(name), PUBLISHED_DEFAULTS[family]
+    got = {key: getattr(policy, key) for key in policy_args(policy)}
+    unpinned, gone = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
+    assert not unpinned and not gone, (f"{name}: hyper-parameters without a published value in "
+                                       f"PUBLISHED_DEFAULTS[{family!r}]: {unpinned}; pinned but absent: {gone}")
+    moved = {key: (got[key], value) for key, value in expected.items()
+             if got[key] != value or type(got[key]) is not type(value)}
+    assert not moved, f"{name}: defaults moved from their published values, (now, published): {moved}"
+    granularity = published_granularity(name)
+    assert granularity is not None, f"{name}: add the granularity it runs at to OWN_GRANULARITY"
+    assert policy.granularity == granularity, f"{name} runs at {policy.granularity}, not {granularity}"
+
+
 # --- statistics and the loop -------------------------------------------------------------------
 
 def test_tova_statistic_is_the_last_query_attention_and_snapkv_the_window_sum():
@@ -415,6 +503,38 @@ def test_every_policy_runs_at_every_granularity_within_its_budget(name, granular
             else:
                 assert per_head.tolist() == [[k, k]] * 2
         assert out[b].kept_tokens == pytest.approx(float(per_head.float().mean()))
+
+
+def newest_tokens_evicted(policy, prefill: str, query_aware: bool) -> int:
+    """(sequence, layer, KV head) triples that lost their sequence's newest token at a compression (after
+    every prefill chunk and decode step), GQA 3, a batch of two lengths at budget 0.2."""
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23)]
+    requests = [Request(p[:-5], p[-5:], 8) for p in prompts]
+    newest, lost = {}, []
+
+    def watch(event, cache):
+        positions = [layer.read().pos for layer in cache.layers]  # [B, H_kv, N] each
+        if event == "forward":  # every token just fed is held: the newest is each sequence's largest position
+            newest["at"] = torch.stack([p.flatten(1).amax(1) for p in positions]).amax(0)  # [B]
+        elif event == "compressed":
+            lost.extend(int((~(p == newest["at"][:, None, None]).any(-1)).sum()) for p in positions)
+
+    settings = GenerationSettings(policy, budget=0.2, block_size=4, prefill=prefill, chunk_size=16,
+                                  query_aware=query_aware)
+    generate(gqa3_model(), None, requests, settings, observe=watch)
+    return sum(lost)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_tova_never_evicts_the_newest_token(granularity):
+    """kvpress's TOVAPress pads the last token's score with max + 1, so it is never evicted; `tova` protects
+    it too (recent_tokens 1), after every prefill chunk and every decode step. The paper's rule
+    (recent_tokens=0) does evict it on this model: the check can fail."""
+    for prefill, query_aware in (("full", True), ("chunked", False)):
+        assert newest_tokens_evicted(make_policy(f"tova_{granularity}"), prefill, query_aware) == 0
+    if granularity == "token":
+        paper = make_policy("tova", args={"recent_tokens": "0"})
+        assert newest_tokens_evicted(paper, "full", True) > 0
 
 
 def test_quest_restricts_reads_from_the_third_layer_on():
