@@ -187,7 +187,17 @@ _SLOW = {
     "test_cli_fuzz": {  # Hypothesis: hundreds of fuzzed run folders, each read by a report
         "test_fuzzed_store_files_are_skipped_or_refused_in_one_line": lambda params: params["command"] == "report",
     },
+    "test_oracle": {  # CriticalKV and Ada-KV over every scorer: 150 cases against the oracle (20-30 s in all)
+        "test_evalkit_keeps_what_the_oracle_keeps": lambda params: _wraps_a_scorer(params["name"]),
+        "test_every_name_and_alias_runs_at_its_published_granularity": lambda params: _wraps_a_scorer(params["name"]),
+    },
 }
+
+
+def _wraps_a_scorer(name: str) -> bool:
+    """critical_<scorer>, adakv_<scorer> but the original adakv_snapkv (its cases stay in the fast tier)."""
+    return name.startswith(("critical_", "adakv_")) and name != "adakv_snapkv"
+
 
 _stale: set[str] = set()  # table entries whose test or fixture is not in its file
 _running: list = [None]  # the test being run

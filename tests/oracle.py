@@ -10,10 +10,16 @@ time (B = 1), greedy, with the model in float64:
   q's decode step chose to read). Evictions are permanent, so recording, per
   (layer, KV head, position), the forward after which it was evicted is enough;
 - statistics come from those probabilities (mean over the G query heads of a KV head),
-  keys for key norm from the attention function's `key` argument (post-RoPE);
+  keys and values from the attention function's `key` and `value` arguments (post-RoPE keys),
+  the queries before RoPE from each layer's `q_proj` (Expected Attention), the future RoPE
+  from the model's own rotary embedding, the output projection from each layer's `o_proj`;
+- KVzip's context reconstruction is one more forward over the sequence with the reconstruction
+  tokens appended (seeing what is held), whose tokens are then dropped again;
 - budgets, protected tokens, scores and selection at the four granularities, the
-  pyramid schedule, Ada-KV and Quest follow docs/policies.md, one rule per function;
-  scores are compared at float32 precision, evalkit's (see `float32`).
+  pyramid schedule, Ada-KV (over any scorer), CriticalKV's two stages, KVzip's budget pooled
+  over layers and Quest follow docs/policies.md and the policies' definitions (kvpress 0.5.5's
+  presses), one rule per function; scores are compared at float32 precision, evalkit's (see
+  `float32`).
 
 `run_oracle` returns the generated tokens and, after every prefill chunk, after prefill and
 after every decode step, the sorted kept positions of each (layer, KV head).
@@ -34,18 +40,32 @@ ATTENTION_NAME = "evalkit_oracle"
 
 # --- what each policy family is (docs/policies.md and the policies' published defaults) ---------
 
-SNAPKV_FAMILY = ("snapkv", "pyramidkv", "adakv")
-# Statistic collected by prompt forwards, and by the appended question and decoded tokens.
+# Scorers the wrappers take: `adakv_<scorer>` (Ada-KV's allocation) and `critical_<scorer>` (CriticalKV's stages).
+WRAPPED = ("h2o", "snapkv", "tova", "knorm", "keydiff", "lagkv", "expected_attention")
+WRAPPERS = ("adakv", "critical")
+# Statistic collected by prompt forwards, and by the appended question and decoded tokens (per scorer).
 COLLECT = {
     "h2o": ("attention", "attention"),
     "tova": ("window", "window"),
     "snapkv": ("window", None),
-    "pyramidkv": ("window", None),
-    "adakv": ("window", None),
 }
-NEEDS_STATISTIC = tuple(COLLECT)  # their recent window widens by the tokens no statistic has seen
+# Their recent window widens by the tokens no statistic has seen (KVzip's: the reconstruction's).
+NEEDS_STATISTIC = (*COLLECT, "kvzip")
 NEVER_EVICTS = ("full", "quest")
-FAMILIES = ("full", "quest", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random", "streaming_llm")
+FAMILIES = ("full", "quest", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random", "streaming_llm",
+            "keydiff", "lagkv", "expected_attention", "kvzip", *(f"{w}_{s}" for w in WRAPPERS for s in WRAPPED))
+FIRST_STAGE = 2.0 ** 100  # CriticalKV: a first-stage pick's score, above any other and finite in page means
+RECONSTRUCTION_TAIL = 8  # KVzip: a later chunk's reconstruction starts from the previous chunk's last 8 tokens
+
+
+def scorer_of(family: str) -> str:
+    """The scoring rule of a family: PyramidKV and `adakv` score as SnapKV, a wrapper as what it wraps."""
+    if family in ("pyramidkv", "adakv"):
+        return "snapkv"
+    for wrapper in WRAPPERS:
+        if family.startswith(wrapper + "_"):
+            return family[len(wrapper) + 1:]
+    return family
 
 
 @dataclass(frozen=True)
@@ -65,26 +85,60 @@ class Spec:
     alpha: float = 0.2  # Ada-KV safeguard
     dense_layers: int = 2  # Quest: the first layers read everything
     min_pages: int = 3  # Quest: pages a decode query reads at least
+    lag_size: int = 128  # LagKV: partition length
+    n_future: int = 512  # Expected Attention: future positions RoPE is averaged over
+    use_covariance: bool = True  # Expected Attention: the queries' covariance term
+    use_vnorm: bool = True  # Expected Attention: times the value's L2 norm (after + epsilon)
+    epsilon: float = 0.0  # Expected Attention
+    critical_epsilon: float = 1e-4  # CriticalKV: (score + epsilon) x projected value norm
+    first_stage_ratio: float = 0.5  # CriticalKV: share of the budget picked by the scorer alone
+    recon_chunk: int = 2048  # KVzip: context tokens per reconstruction forward
+    layerwise: bool = False  # KVzip: each layer its own budget (else one budget over layers and heads)
+
+    @property
+    def scorer(self) -> str:
+        return scorer_of(self.family)
+
+    @property
+    def adaptive(self) -> bool:  # Ada-KV's allocation across the heads of a layer
+        return self.family == "adakv" or self.family.startswith("adakv_")
+
+    @property
+    def critical(self) -> bool:
+        return self.family.startswith("critical_")
 
 
 def published_spec(family: str, granularity: str = "head", **overrides) -> Spec:
     """The published defaults: H2O half the budget recent; TOVA the last query, the newest token
     kept (kvpress pads its score with max + 1); SnapKV w=32, kernel 7, max pooling, its window
     protected on top of any recent tokens; StreamingLLM 4 sinks + recent rest; Quest two dense
-    layers, at least 3 pages."""
+    layers, at least 3 pages; kvpress 0.5.5's LagKV (4 sinks, lag 128), Expected Attention (4 sinks,
+    512 future positions, covariance and value norm, epsilon 0) and KVzip (4 sinks, chunks of 2048,
+    pooled over layers); KeyDiff none. Ada-KV adds a safeguard of 0.2, CriticalKV epsilon 1e-4 and a
+    first stage of half the budget, with Expected Attention's value norm off (kvpress's advice)."""
     if family not in FAMILIES:
         raise KeyError(f"the oracle has no rule for policy family {family!r}: add it to tests/oracle.py")
+    scorer = scorer_of(family)
     fields = {
         "h2o": dict(recent_fraction=0.5),
         "tova": dict(window=1, recent_tokens=1),
         "snapkv": dict(window=32, kernel=7, pooling="max"),
-        "pyramidkv": dict(window=32, kernel=7, pooling="max", beta=20.0),
-        "adakv": dict(window=32, kernel=7, pooling="max", alpha=0.2),
         "streaming_llm": dict(sinks=4, recent_fraction=1.0),
         "quest": dict(dense_layers=2, min_pages=3),
-    }.get(family, {})
+        "lagkv": dict(sinks=4, lag_size=128),
+        "expected_attention": dict(sinks=4, n_future=512, use_covariance=True, use_vnorm=True, epsilon=0.0),
+        "kvzip": dict(sinks=4, recon_chunk=2048, layerwise=False),
+    }.get(scorer, {})
+    if family == "pyramidkv":
+        fields["beta"] = 20.0
+    if family == "adakv" or family.startswith("adakv_"):
+        fields["alpha"] = 0.2
+    if family.startswith("critical_"):
+        fields.update(critical_epsilon=1e-4, first_stage_ratio=0.5)
+        if scorer == "expected_attention":
+            fields["use_vnorm"] = False
     fields.update(overrides)
-    if family in SNAPKV_FAMILY:  # the observation window itself is protected, on top of recent_tokens
+    if scorer == "snapkv":  # the observation window itself is protected, on top of recent_tokens
         fields["recent_tokens"] = fields.get("recent_tokens", 0) + fields["window"]
     return Spec(family, granularity, **fields)
 
@@ -161,8 +215,16 @@ def layer_budgets(spec: Spec, k: int, n: int, num_layers: int, block_size: int) 
 
 def float32(x: float) -> float:
     """Every score the oracle compares is rounded to float32, the precision of evalkit's statistics,
-    so that values equal at that precision tie (and go to the earlier position) as they do there."""
-    return float(torch.tensor(x, dtype=torch.float32))
+    so that values equal at that precision tie (and go to the earlier position) as they do there.
+    A score that is an exact rational by definition (LagKV's rank / lag) stays exact (`Fraction`): equal ones,
+    and equal means of them, tie, whatever float32 would make of them."""
+    return x if isinstance(x, Fraction) else float(torch.tensor(x, dtype=torch.float32))
+
+
+def mean_score(values: list):
+    """The mean of a unit's scores (a token's over heads, a page's over its pairs), each already at the precision of
+    `float32`: summed exactly (float64, or exactly for fractions), then at that precision again."""
+    return float32(sum(values) / len(values))
 
 
 # --- keep orders -------------------------------------------------------------------------------
@@ -231,6 +293,7 @@ class Sequence:
         self.L = config.num_hidden_layers
         self.H = config.num_key_value_heads
         self.G = config.num_attention_heads // self.H
+        self.D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.ids: list[int] = []
         self.fed_in: list[int] = []  # position -> index of the forward that fed it
         self.forwards = 0
@@ -242,6 +305,10 @@ class Sequence:
         self.quest_pages = None  # Quest: pages a decode query reads (set while decoding)
         self.probs: dict = {}  # layer -> [H_q, T, T] probabilities of the last forward
         self.keys: dict = {}  # layer -> [H_kv, T, D] post-RoPE keys of the last forward
+        self.values: dict = {}  # layer -> [H_kv, T, D] values of the last forward
+        self.queries: dict = {}  # layer -> ([H_q, T, D] post-RoPE queries, scaling) of the last forward
+        self.prerope: dict = {}  # layer -> [T, H_q, D] queries before RoPE (q_proj's output), Expected Attention
+        self.moments_end = 0  # Expected Attention: the compressed prompt's tokens fed so far
 
     @property
     def seen(self) -> int:
@@ -271,7 +338,7 @@ class Sequence:
     def attend(self, l, query, key, value, scaling):
         T = query.shape[2]
         assert T == self.seen and query.shape[0] == 1
-        self.keys[l] = key[0]
+        self.keys[l], self.values[l], self.queries[l] = key[0], value[0], (query[0], scaling)
         if self.quest_pages is not None and l >= self.spec.dense_layers:  # the first layers read everything
             self.choose_quest_reads(l, query[0, :, T - 1], key[0])
         per_head = [self.visible(l, h) for h in range(self.H)]
@@ -317,9 +384,19 @@ class Sequence:
         for key in self.stat:
             self.stat[key] += [0.0] * len(tokens)
         ids = torch.tensor([self.ids])
-        with torch.no_grad():
-            logits = self.model(input_ids=ids, position_ids=torch.arange(self.seen)[None], use_cache=False,
-                                oracle_sequence=self).logits[0, -1]
+        hooks = []
+        if self.spec.scorer == "expected_attention":  # the queries before RoPE: q_proj's output
+            for l, layer in enumerate(self.model.model.layers):
+                assert not hasattr(layer.self_attn, "q_norm"), "a model with q_norm: its query before RoPE is after it"
+                hooks.append(layer.self_attn.q_proj.register_forward_hook(
+                    lambda module, args, out, l=l: self.prerope.__setitem__(l, out[0].view(out.shape[1], -1, self.D))))
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, position_ids=torch.arange(self.seen)[None], use_cache=False,
+                                    oracle_sequence=self).logits[0, -1]
+        finally:
+            for hook in hooks:
+                hook.remove()
         new_queries = list(range(first, self.seen))
         if collect is not None:
             self.collect(collect, new_queries)
@@ -344,23 +421,32 @@ class Sequence:
 
     # -- scores --
 
-    def scores(self, l: int, h: int) -> dict:
-        """{held position: score}, higher = keep; rounded to float32 (see `float32`)."""
-        return {p: float32(x) for p, x in self.exact_scores(l, h).items()}
+    def scores(self, l: int, h: int, cap: int) -> dict:
+        """{held position: score}, higher = keep; rounded to float32 (see `float32`). `cap`: the layer's
+        budget (CriticalKV's first stage is a share of it)."""
+        scores = {p: float32(x) for p, x in self.exact_scores(l, h).items()}
+        return self.critical(l, h, cap, scores) if self.spec.critical else scores
 
     def exact_scores(self, l: int, h: int) -> dict:
-        family, held = self.spec.family, self.held(l, h)
-        if family == "h2o":
+        scorer, held = self.spec.scorer, self.held(l, h)
+        if scorer == "h2o":
             stat = self.stat[l, h]
             if self.spec.normalize:
                 return {p: stat[p] / (self.stat_end - p) if p < self.stat_end else stat[p] for p in held}
             return {p: stat[p] for p in held}
-        if family == "tova":
+        if scorer in ("tova", "kvzip"):  # the last query's attention; the reconstruction's max attention
             return {p: self.stat[l, h][p] for p in held}
-        if family in SNAPKV_FAMILY:
+        if scorer == "snapkv":
             return self.pooled(l, h)
-        if family == "knorm":
+        if scorer == "knorm":
             return {p: -float(self.keys[l][h, p].norm()) for p in held}
+        if scorer == "keydiff":
+            return self.keydiff(l, h)
+        if scorer == "lagkv":
+            return self.lagkv(l, h)
+        if scorer == "expected_attention":
+            return self.expected_attention(l, h)
+        family = self.spec.family
         if family == "random":
             generator = torch.Generator().manual_seed(self.settings.seed * 100_003 + l)
             priority = torch.rand(self.seen, self.H, generator=generator)
@@ -370,7 +456,8 @@ class Sequence:
     def pooled(self, l: int, h: int) -> dict:
         """SnapKV: the window statistic of the prefix (positions < stat_end - w), pooled along positions
         (width `kernel`, stride 1, padding kernel // 2); zeros outside the prefix and for evicted tokens;
-        avg counts the padding. A position outside the prefix scores 0 (it is protected anyway)."""
+        avg counts the padding; divided by w (a mean over the window's queries, as kvpress's: the scale
+        CriticalKV's epsilon meets). A position outside the prefix scores 0 (it is protected anyway)."""
         held = self.held(l, h)
         prefix_end = self.stat_end - self.spec.window
         radius = self.spec.kernel // 2
@@ -382,19 +469,179 @@ class Sequence:
         for p in held:
             around = [signal(j) for j in range(p - radius, p + radius + 1)]
             pooled = max(around) if self.spec.pooling == "max" else sum(around) / self.spec.kernel
-            out[p] = pooled if p < prefix_end else 0.0
+            out[p] = pooled / self.spec.window if p < prefix_end else 0.0
         return out
+
+    def keydiff(self, l: int, h: int) -> dict:
+        """KeyDiff: minus the cosine of each held key with the mean of the head's held keys, each made unit length."""
+        held = self.held(l, h)
+        keys = {p: self.keys[l][h, p] for p in held}
+        anchor = sum(k / k.norm() for k in keys.values()) / len(held)
+        return {p: -float(k @ anchor / (k.norm() * anchor.norm())) for p, k in keys.items()}
+
+    def lagkv(self, l: int, h: int) -> dict:
+        """LagKV: the head's held tokens in position order; the first `sinks` of them score 1. With fewer than
+        sinks + 2 lag tokens the others score by recency, (i - sinks) / (n - sinks). Otherwise the tokens after
+        the sinks form partitions of `lag` (a remainder after the last whole one); each partition but the last
+        is judged against the next: every channel of its keys (values) min-max normalised by the next
+        partition's range, the standard deviation over channels (n - 1), a softmax over the partition; the
+        mean of the keys' and values' is ranked within the partition (0 = lowest) and divided by lag. The last
+        whole partition and the remainder score 1. The scores are exact fractions (see `float32`)."""
+        held, sinks, lag = self.held(l, h), self.spec.sinks, self.spec.lag_size
+        n = len(held)
+        score = {p: Fraction(1) for p in held}
+        if n < sinks + 2 * lag:
+            for i in range(sinks, n):
+                score[held[i]] = Fraction(i - sinks, n - sinks)
+            return score
+        partitions = (n - sinks) // lag
+        parts = [held[sinks + j * lag: sinks + (j + 1) * lag] for j in range(partitions)]
+
+        def spread(rows, part, reference):  # softmax over the partition of the normalised rows' spread
+            low = [min(rows[r][c] for r in reference) for c in range(len(rows[part[0]]))]
+            high = [max(rows[r][c] for r in reference) for c in range(len(rows[part[0]]))]
+            std = []
+            for p in part:
+                x = [(v - lo) / (hi - lo) for v, lo, hi in zip(rows[p], low, high)]
+                mean = sum(x) / len(x)
+                std.append(math.sqrt(sum((v - mean) ** 2 for v in x) / (len(x) - 1)))
+            total = sum(math.exp(v - max(std)) for v in std)
+            return [math.exp(v - max(std)) / total for v in std]
+
+        keys, values = self.keys[l][h].tolist(), self.values[l][h].tolist()  # [T][D]
+        for j in range(partitions - 1):
+            part, reference = parts[j], parts[j + 1]
+            key = spread(keys, part, reference)
+            value = spread(values, part, reference)
+            both = [(a + b) / 2 for a, b in zip(key, value)]
+            for rank, i in enumerate(sorted(range(lag), key=lambda i: both[i])):
+                score[part[i]] = Fraction(rank, lag)
+        return score
+
+    def expected_attention(self, l: int, h: int) -> dict:
+        """Expected Attention: per query head of the group, the mean mu and covariance S (population) of the
+        prompt's queries before RoPE at positions [sinks, moments_end); RoPE averaged over the n_future
+        positions after them, R, gives mu' = R mu, S' = R S R^T; each held key after the sinks gets
+        mu'.k / sqrt(D) (+ k^T S' k / 2D with the covariance), softmaxed over those keys; the mean over the
+        group's query heads, then (+ epsilon) x ||v||_2 with the value norm. Sinks score 0 (+ epsilon) x ||v||."""
+        spec, D = self.spec, self.D
+        held = self.held(l, h)
+        scored = [p for p in held if p >= spec.sinks]
+        rotation = self.future_rotation(self.moments_end)
+        attention = {p: 0.0 for p in held}
+        for g in range(self.G):
+            queries = self.prerope[l][spec.sinks:self.moments_end, h * self.G + g]  # [c, D]
+            count = queries.shape[0]
+            mean = queries.sum(0) / max(count, 1)
+            centred = queries - mean
+            covariance = centred.T @ centred / max(count, 1)
+            mean, covariance = rotation @ mean, rotation @ covariance @ rotation.T
+            logit = {}
+            for p in scored:
+                k = self.keys[l][h, p]
+                logit[p] = float(mean @ k) / math.sqrt(D)
+                if spec.use_covariance:
+                    logit[p] += float(k @ covariance @ k) / D / 2
+            top = max(logit.values(), default=0.0)
+            total = sum(math.exp(x - top) for x in logit.values())
+            for p in scored:
+                attention[p] += math.exp(logit[p] - top) / total / self.G
+        if not spec.use_vnorm:
+            return attention
+        return {p: (a + spec.epsilon) * float(self.values[l][h, p].norm()) for p, a in attention.items()}
+
+    def future_rotation(self, end: int) -> torch.Tensor:
+        """[D, D]: the model's RoPE (x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]) averaged over
+        positions end .. end + n_future - 1."""
+        D, half = self.D, self.D // 2
+        positions = torch.arange(end, end + self.spec.n_future)[None]
+        cos, sin = self.model.model.rotary_emb(torch.zeros(1, dtype=torch.float64), positions)
+        cos, sin = cos[0].double().mean(0), sin[0].double().mean(0)  # [D]
+        rotation = torch.zeros(D, D, dtype=torch.float64)
+        for i in range(D):
+            rotation[i, i] = cos[i]
+            if i < half:
+                rotation[i, i + half] = -sin[i]  # (R x)_i = x_i cos_i - x_{i + D/2} sin_i
+            else:
+                rotation[i, i - half] = sin[i]  # (R x)_i = x_i cos_i + x_{i - D/2} sin_i
+        return rotation
+
+    def critical(self, l: int, h: int, cap: int, base: dict) -> dict:
+        """CriticalKV: the head's first floor(first_stage_ratio x cap) tokens (at least 1 when the ratio is
+        positive) score FIRST_STAGE: its protected ones first (the sinks, and the policy's own recent window,
+        recent_tokens + floor(recent_fraction x (cap - sinks)), back from the newest position it holds: those
+        kvpress's scorers give their highest scores), then its best by the scorer (ties to the earlier
+        position); every other token (score + epsilon) x the mean over the group's query heads of
+        ||W_o,qh v||_1, W_o,qh the output projection's columns that read query head qh."""
+        spec = self.spec
+        first = min(int(cap * spec.first_stage_ratio), len(base))
+        if spec.first_stage_ratio > 0:
+            first = max(first, 1)
+        recent = spec.recent_tokens + math.floor(spec.recent_fraction * max(cap - spec.sinks, 0))
+        newest = max(base)
+
+        def protected(p):
+            return p < spec.sinks or p > newest - recent
+
+        picked = set(sorted(base, key=lambda p: (0, p) if protected(p) else (1, -base[p], p))[:first])
+        o_proj = self.model.model.layers[l].self_attn.o_proj.weight.detach()  # [hidden, H_q * D]
+        held = sorted(base)
+        values = self.values[l][h, held]  # [n, D]
+        norms = sum((values @ o_proj[:, qh * self.D:(qh + 1) * self.D].T).abs().sum(1)  # [n] ||W_o,qh v||_1
+                    for qh in range(h * self.G, (h + 1) * self.G)) / self.G
+        return {p: FIRST_STAGE if p in picked else float32((base[p] + spec.critical_epsilon) * float(norm))
+                for p, norm in zip(held, norms)}
+
+    # -- KVzip's context reconstruction --
+
+    def reconstruct(self, compressed: list[int], begin: int, end: int) -> None:
+        """Score the prompt's positions [begin, end) by repeating them: per chunk of `recon_chunk` positions,
+        the chunk's tokens (a later chunk's preceded by the previous RECONSTRUCTION_TAIL context tokens; the
+        loop has no tokenizer, so no words ask for it) are fed after everything held, seeing it all; each chunk
+        token's statistic becomes the most probability any of those tokens' queries, of any query head of its
+        KV head, gives it in a softmax over the held sinks before the chunk, the chunk and the reconstruction
+        tokens (causal). The reconstruction tokens are then dropped; every token fed so far counts as scored."""
+        sinks, stop = self.spec.sinks, min(end, len(compressed))
+        for first in range(begin, stop, self.spec.recon_chunk):
+            last = min(first + self.spec.recon_chunk, stop)
+            ask = compressed[max(0, first - RECONSTRUCTION_TAIL):first]
+            base = self.seen
+            self.forward(ask + compressed[first:last], None)
+            for l in range(self.L):
+                query, scaling = self.queries[l]
+                for h in range(self.H):
+                    held = set(self.held(l, h))
+                    # [t, j]: reconstruction query t sees key j
+                    sees = torch.tensor([[j in held and (j < min(first, sinks) or first <= j < last or base <= j <= t)
+                                          for j in range(self.seen)] for t in range(base, self.seen)])
+                    best = torch.zeros(self.seen, dtype=torch.float64)
+                    for qh in range(h * self.G, (h + 1) * self.G):
+                        logits = (query[qh, base:] @ self.keys[l][h].T) * scaling  # [t, j]
+                        probs = torch.softmax(logits.masked_fill(~sees, -math.inf), dim=-1)
+                        best = torch.maximum(best, probs.max(0).values)
+                    for p in range(first, last):
+                        self.stat[l, h][p] = float(best[p])
+            self.drop_last(self.seen - base)
+        self.stat_end = self.seen
+
+    def drop_last(self, count: int) -> None:
+        """Forget the last `count` tokens fed (never evicted, so no record of them remains)."""
+        del self.ids[-count:], self.fed_in[-count:]
+        for key in self.stat:
+            del self.stat[key][-count:]
 
     # -- compression --
 
     def compress(self, caps: list[int]) -> dict:
         """Evict each layer down to caps[l] per head; returns the scores used, for messages."""
+        if self.spec.scorer == "kvzip" and not self.spec.layerwise and self.spec.granularity == "head":
+            return self.compress_pooled(caps)
         used = {}
         for l, cap in enumerate(caps):
             held = [self.held(l, h) for h in range(self.H)]
             if all(len(x) <= cap for x in held):
                 continue  # layers whose heads all hold <= their cap are left alone
-            scores = [self.scores(l, h) for h in range(self.H)]
+            scores = [self.scores(l, h, cap) for h in range(self.H)]
             used[l] = scores
             keep = self.select(l, cap, held, scores)
             for h in range(self.H):
@@ -403,9 +650,35 @@ class Sequence:
                         self.evicted[l, h][p] = self.forwards - 1
         return used
 
+    def compress_pooled(self, caps: list[int]) -> dict:
+        """KVzip's default: one budget, sum_l caps[l] x H_kv, for all layers and KV heads of the sequence, applied
+        when they hold more in all. Every protected token (sinks, each layer's recent ones) stays; the rest of
+        the budget goes to the highest scores of any layer and head (ties: lower layer, lower head, earlier
+        position)."""
+        held = {(l, h): self.held(l, h) for l in range(self.L) for h in range(self.H)}
+        if sum(len(x) for x in held.values()) <= sum(caps) * self.H:
+            return {}
+        scores = {l: [self.scores(l, h, caps[l]) for h in range(self.H)] for l in range(self.L)}
+        keep, candidates = set(), []
+        for (l, h), positions in held.items():
+            recent = self.recent(caps[l])
+            for p in positions:
+                if p < self.spec.sinks or p >= self.seen - recent:
+                    keep.add((l, h, p))
+                else:
+                    candidates.append((l, h, p))
+        left = max(sum(caps) * self.H - len(keep), 0)
+        candidates.sort(key=lambda lhp: (-scores[lhp[0]][lhp[1]][lhp[2]], lhp))
+        keep.update(candidates[:left])
+        for (l, h), positions in held.items():
+            for p in positions:
+                if (l, h, p) not in keep:
+                    self.evicted[l, h][p] = self.forwards - 1
+        return scores
+
     def recent(self, cap: int) -> int:
         spec = self.spec
-        widen = self.seen - self.stat_end if spec.family in NEEDS_STATISTIC else 0
+        widen = self.seen - self.stat_end if spec.scorer in NEEDS_STATISTIC else 0
         return min(cap, spec.recent_tokens + math.floor(spec.recent_fraction * max(cap - spec.sinks, 0)) + widen)
 
     def select(self, l: int, cap: int, held: list[list[int]], scores: list[dict]) -> list[set[int]]:
@@ -415,7 +688,7 @@ class Sequence:
         def protected(p):
             return p < spec.sinks or p >= seen - recent
 
-        if spec.family == "adakv" and spec.granularity == "head":
+        if spec.adaptive and spec.granularity == "head":
             return self.select_adakv(cap, held, scores, protected)
         if spec.granularity == "head":
             return [set(keep_order(held[h], scores[h], protected, spec.sinks)[:cap]) for h in range(self.H)]
@@ -424,7 +697,7 @@ class Sequence:
             score = {}
             for p in tokens:
                 holders = [h for h in range(self.H) if p in held[h]]
-                score[p] = float32(sum(scores[h][p] for h in holders) / len(holders))
+                score[p] = mean_score([scores[h][p] for h in holders])
             kept = set(keep_order(tokens, score, protected, spec.sinks)[:cap])
             return [set(held[h]) & kept for h in range(self.H)]
         if spec.granularity == "page":
@@ -432,7 +705,7 @@ class Sequence:
             for page in sorted({p // S for x in held for p in x}):
                 pairs = [(h, p) for h in range(self.H) for p in held[h] if p // S == page]
                 positions = sorted({p for _, p in pairs})
-                pages[page] = (positions, float32(sum(scores[h][p] for h, p in pairs) / len(pairs)))
+                pages[page] = (positions, mean_score([scores[h][p] for h, p in pairs]))
             taken = take_pages(pages, cap, protected, spec.sinks, seen, S)
             return [{p for p in held[h] if p // S in taken} for h in range(self.H)]
         if spec.granularity == "head_page":
@@ -441,7 +714,7 @@ class Sequence:
                 pages = {}
                 for page in sorted({p // S for p in held[h]}):
                     positions = [p for p in held[h] if p // S == page]
-                    pages[page] = (positions, float32(sum(scores[h][p] for p in positions) / len(positions)))
+                    pages[page] = (positions, mean_score([scores[h][p] for p in positions]))
                 taken = take_pages(pages, cap, protected, spec.sinks, seen, S)
                 keep.append({p for p in held[h] if p // S in taken})
             return keep
@@ -480,14 +753,17 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
     trace.evicting = k < n and spec.family not in NEVER_EVICTS
     caps = layer_budgets(spec, k, n, seq.L, settings.block_size) if trace.evicting else None
     trace.layer_budgets = list(caps or [])
-    collect_prefill, collect_decode = COLLECT.get(spec.family, (None, None))
+    collect_prefill, collect_decode = COLLECT.get(spec.scorer, (None, None))
     decode_evicts = trace.evicting and settings.decode_eviction
 
     with oracle_attention(model):
         chunk = settings.chunk_size if settings.prefill == "chunked" else n
         for index, start in enumerate(range(0, n, chunk)):
             logits = seq.forward(compressed[start:start + chunk], collect_prefill if trace.evicting else None)
+            seq.moments_end = seq.seen  # Expected Attention's queries: the compressed prompt's, fed so far
             if trace.evicting:
+                if spec.scorer == "kvzip":
+                    seq.reconstruct(compressed, start, start + chunk)
                 trace.scores[f"prefill chunk {index}"] = seq.compress(caps)
             trace.chunks.append(seq.kept())
         if appended:  # the question, never compressed; collects the decode statistic

@@ -10,15 +10,20 @@ layouts are assigned by a fixed pairwise covering table (COVERING), and hyper-pa
 (VARIANTS) rotate, so the default run stays short; `EVALKIT_ORACLE_FULL=1` runs every combination.
 Cases whose policy is identical to an earlier one (e.g. `h2o_page` at granularity `head` is
 `h2o_head`) are not repeated; granularities a policy refuses are listed as skips. A policy the
-oracle has no rule for fails until tests/oracle.py learns it.
+oracle has no rule for fails until tests/oracle.py learns it. CriticalKV and Ada-KV over every scorer
+(`critical_<scorer>`, `adakv_<scorer>`) are in the slow tier (tests/conftest.py). Cases where evalkit
+departs from the rules (KNOWN_DEVIATIONS) are strict xfails, each with its reason.
 
 Every hyper-parameter of every family also leaves its default in some case (HYPER_CASES, with other block
 and chunk sizes; `test_every_hyper_parameter_is_varied_against_the_oracle` fails for one that does not),
 kvpress's parity settings (docs/fidelity.md) are cases, and every registered name and alias, made as named,
 is held to the oracle at the granularity tests/test_policies.py pins for it.
 
-Mutation tests show the comparison has teeth: H2O without decode accumulation, and a SnapKV
-window one query too wide, each make evalkit disagree with the oracle.
+Mutation tests show the comparison has teeth: H2O without decode accumulation, a SnapKV window one
+query too wide, and one small error in each scorer of issue #29 (KeyDiff's anchor from raw keys, LagKV
+partitions normalised by their own range, Expected Attention's moments of the queries after RoPE,
+CriticalKV's value norms through the wrong query heads' output projection, Ada-KV reallocating nothing,
+KVzip's reconstruction softmax without the sinks) each make evalkit disagree with the oracle.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import types
 
 import pytest
 import torch
@@ -36,7 +42,13 @@ from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_bu
 from test_policies import every_name, published_granularity
 
 import evalkit.attention
+import evalkit.loop.reconstruction
+import evalkit.policies.adakv
+import evalkit.policies.critical
 import evalkit.policies.h2o
+import evalkit.policies.keydiff
+import evalkit.policies.lagkv
+import evalkit.policies.query_moments
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy, policy_args
@@ -56,15 +68,49 @@ VARIANTS = {
     "h2o": [{}, {"normalize": "true"}],
     "snapkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
     "pyramidkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
-    "adakv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
+    "adakv_snapkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg"}, {"window": "6", "kernel": "3"}],
 }
+# The scorers of issue #29 and the scorers the wrappers take: between them, each scorer's variants move every one
+# of its hyper-parameters. LagKV runs with lags small enough that these prompts hold several partitions (at 128
+# they are all its short-prompt recency rule), KVzip with chunks small enough to reconstruct several.
+_SCORER_VARIANTS = {
+    "h2o": [{}, {"normalize": "true", "sink_tokens": "2", "observation_window": "4"},
+            {"recent_fraction": "0.25", "recent_tokens": "2"}],
+    "snapkv": [{}, {"window": "8", "kernel": "5", "pooling": "avg", "sink_tokens": "2"},
+               {"window": "6", "kernel": "3", "recent_fraction": "0.2", "recent_tokens": "1"}],
+    "tova": [{}, {"recent_tokens": "0", "sink_tokens": "2"}, {"observation_window": "3", "recent_fraction": "0.25"}],
+    "knorm": [{}, {"sink_tokens": "3", "recent_tokens": "2"}, {"recent_fraction": "0.3", "observation_window": "5"}],
+    "keydiff": [{}, {"sink_tokens": "3", "recent_tokens": "2"}, {"recent_fraction": "0.3", "observation_window": "5"}],
+    "lagkv": [{"lag_size": "8"}, {"lag": "5", "sink_tokens": "2", "recent_tokens": "2"},
+              {"lag_size": "6", "recent_fraction": "0.2", "observation_window": "3"}],
+    "expected_attention": [{}, {"n_future_positions": "16", "use_covariance": "false", "sink_tokens": "2",
+                                "recent_tokens": "2", "epsilon": "0.01"},
+                           {"n_future": "64", "use_vnorm": "false", "recent_fraction": "0.2",
+                            "observation_window": "3"}],
+}
+VARIANTS |= {name: _SCORER_VARIANTS[name] for name in ("keydiff", "lagkv", "expected_attention")}
+VARIANTS["kvzip"] = [{}, {"chunk_size": "24", "sink_tokens": "2", "recent_tokens": "2"},
+                     {"chunk": "16", "layerwise": "true", "recent_fraction": "0.2", "observation_window": "3"}]
+# CriticalKV: epsilon and a smaller first stage (and Expected Attention's value norm back on, kvpress's default
+# outside CriticalKV); Ada-KV: a larger and a zero safeguard.
+VARIANTS |= {f"critical_{name}": [{}, {**variants[1], "epsilon": "0.01"},
+                                  {**variants[2], "first_stage_ratio": "0.25",
+                                   **({"use_vnorm": "true"} if name == "expected_attention" else {})}]
+             for name, variants in _SCORER_VARIANTS.items()}
+VARIANTS |= {f"adakv_{name}": [{}, {**variants[1], "alpha_safeguard": "0.5"}, {**variants[2], "alpha_safeguard": "0"}]
+             for name, variants in _SCORER_VARIANTS.items() if name != "snapkv"}
 # --policy-arg key -> (the oracle's Spec field, its parse).
 ORACLE_ARG = {"window": ("window", int), "observation_window": ("window", int), "kernel": ("kernel", int),
               "pooling": ("pooling", str), "normalize": ("normalize", lambda text: text == "true"),
               "sink_tokens": ("sinks", int), "recent_tokens": ("recent_tokens", int),
               "recent_fraction": ("recent_fraction", float), "beta": ("beta", float),
               "alpha_safeguard": ("alpha", float), "dense_layers": ("dense_layers", int),
-              "min_pages": ("min_pages", int)}
+              "min_pages": ("min_pages", int), "lag_size": ("lag_size", int), "lag": ("lag_size", int),
+              "n_sink": ("sinks", int), "n_future_positions": ("n_future", int), "n_future": ("n_future", int),
+              "use_covariance": ("use_covariance", lambda text: text == "true"),
+              "use_vnorm": ("use_vnorm", lambda text: text == "true"), "epsilon": ("epsilon", float),
+              "first_stage_ratio": ("first_stage_ratio", float), "chunk_size": ("recon_chunk", int),
+              "chunk": ("recon_chunk", int), "layerwise": ("layerwise", lambda text: text == "true")}
 
 # Environments: a fixed covering table, one row per (granularity, budget) cell of a family (found by a
 # seeded search, checked below). Within a family, any two of the five factors show all four value
@@ -105,6 +151,40 @@ def family_of(name: str) -> str | None:
     return None
 
 
+# Cases where evalkit departs from the rules (found by this oracle, reported, not fixed in the tests): strict xfail,
+# so that once evalkit is fixed the case passes, its xfail fails, and its entry here must go.
+_LAGKV_TIES = ("LagKV's scores are exact fractions (rank / lag, (i - sinks) / (n - sinks)): equal means of them (a "
+               "token's over heads, a page's over its pairs) tie and go to the earlier position or page, but evalkit "
+               "holds the scores in float32 and sums them in float32, so rounding noise decides the tie")
+_CRITICAL_SLOTS = ("CriticalKV's first stage breaks ties of its scorer (LagKV's equal ranks) in storage slot order "
+                   "(a stable argsort over slots), not by the earlier position: the kept set depends on the layout")
+_CRITICAL_EPSILON = ("critical_expected_attention with use_vnorm=true: CriticalKV's `epsilon` (1e-4) is also the one "
+                     "Expected Attention adds before its value norm, where kvpress's ExpectedAttentionPress adds its "
+                     "own (0)")
+KNOWN_DEVIATIONS = {
+    "lagkv_head-token-lag_size=6,recent_fraction=0.2,observation_window=3-0.3-qwen2-paged-full-query_aware=0-"
+    "decode_eviction=1": _LAGKV_TIES,
+    "lagkv_head-page-lag=5,sink_tokens=2,recent_tokens=2-0.6-qwen2-dense-full-query_aware=0-decode_eviction=0":
+        _LAGKV_TIES,
+    "lagkv_head-head_page-lag=5,sink_tokens=2,recent_tokens=2-0.3-llama-dense-chunked-query_aware=0-"
+    "decode_eviction=0": _LAGKV_TIES,
+    "lagkv_head-head_page-lag_size=6,recent_fraction=0.2,observation_window=3-0.6-llama-dense-full-query_aware=0-"
+    "decode_eviction=1": _LAGKV_TIES,
+    "adakv_lagkv-token-lag_size=6,recent_fraction=0.2,observation_window=3,alpha_safeguard=0-0.3-qwen2-paged-full-"
+    "query_aware=0-decode_eviction=1": _LAGKV_TIES,
+    "adakv_lagkv-page-lag=5,sink_tokens=2,recent_tokens=2,alpha_safeguard=0.5-0.6-qwen2-dense-full-query_aware=0-"
+    "decode_eviction=0": _LAGKV_TIES,
+    "critical_lagkv_head-head_page-lag=5,sink_tokens=2,recent_tokens=2,epsilon=0.01-0.3-llama-dense-chunked-"
+    "query_aware=0-decode_eviction=0": _CRITICAL_SLOTS,
+    "critical_expected_attention_head-head-n_future=64,use_vnorm=true,recent_fraction=0.2,observation_window=3,"
+    "first_stage_ratio=0.25-0.6-llama-paged-chunked-query_aware=1-decode_eviction=1": _CRITICAL_EPSILON,
+}
+
+
+def _known(case_id: str) -> list:
+    return [pytest.mark.xfail(strict=True, reason=KNOWN_DEVIATIONS[case_id])] if case_id in KNOWN_DEVIATIONS else []
+
+
 def _identity(policy) -> tuple:
     fields = tuple((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy) if f.compare)
     return (type(policy).__name__, fields)
@@ -139,9 +219,9 @@ def _cases():
                     for bits in rows:
                         env = {factor: values[bit] for (factor, values), bit in zip(FACTORS.items(), bits)}
                         tag = "-".join(f"{k}={int(v)}" if isinstance(v, bool) else str(v) for k, v in env.items())
-                        params.append(pytest.param(
-                            name, granularity, args, budget, env,
-                            id=f"{name}-{granularity}{'-' + label if label else ''}-{budget}-{tag}"))
+                        case_id = f"{name}-{granularity}{'-' + label if label else ''}-{budget}-{tag}"
+                        params.append(pytest.param(name, granularity, args, budget, env, id=case_id,
+                                                   marks=_known(case_id)))
     return params
 
 
@@ -219,6 +299,8 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
     requests = requests or batch()
     family = family_of(name)
     overrides = {ORACLE_ARG[k][0]: ORACLE_ARG[k][1](v) for k, v in args.items()}
+    if family.startswith("critical_") and "epsilon" in overrides:  # CriticalKV's epsilon, not its scorer's
+        overrides["critical_epsilon"] = overrides.pop("epsilon")
     spec = published_spec(family, granularity, **overrides)
     settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
                         SEED)
@@ -246,7 +328,7 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
                         missing = sorted(set(t) - set(o))
                         scores = trace.scores.get(phase, {}).get(l)  # the oracle's, when it compressed here
                         hint = "" if scores is None else "; oracle scores " + ", ".join(
-                            f"{p}: {scores[h][p]:.7g}" if p in scores[h] else f"{p}: -" for p in extra + missing)
+                            f"{p}: {float(scores[h][p]):.7g}" if p in scores[h] else f"{p}: -" for p in extra + missing)
                         return (f"{where}, {phase}, layer {l}, KV head {h}: evalkit kept {list(o)} "
                                 f"({len(o)}), oracle kept {list(t)} ({len(t)}); only evalkit {extra}, "
                                 f"only oracle {missing}{hint}")
@@ -342,6 +424,39 @@ HYPER_CASES = [
     ("h2o_head", "head", {"normalize": "true", "recent_fraction": "0"}, 0.5, KVPRESS, {}),
     ("h2o_head", "head", {"normalize": "true", "recent_fraction": "0"}, 0.2, KVPRESS, {}),
     ("snapkv_head", "head", {"window": "64", "kernel": "5", "pooling": "avg"}, 0.8, KVPRESS, {"long": True}),
+    # Issue #29's scorers, each hyper-parameter moved where it decides something: LagKV's partitions while
+    # decoding (lag 4), KVzip's several reconstructions (chunks of 7 and 9, a chunked prefill of 20) and its
+    # per-layer budget, Expected Attention's mean alone (one future position, no covariance, no value norm).
+    ("keydiff_head", "head", {"sink_tokens": "2", "recent_tokens": "2", "recent_fraction": "0.2",
+                              "observation_window": "3"}, 0.3, DECODING, {}),
+    ("keydiff_page", "page", {}, 0.3, PAGED_CHUNKED, {"block_size": 8, "chunk_size": 10}),
+    ("lagkv_head", "head", {"lag_size": "4", "sink_tokens": "1"}, 0.3, DECODING, {}),
+    ("lagkv_head_page", "head_page", {"lag": "8", "recent_tokens": "2"}, 0.6, CHUNKED, {"block_size": 2}),
+    ("expected_attention_head", "head", {"n_future": "1", "use_covariance": "false", "use_vnorm": "false"}, 0.3,
+     DECODING, {}),
+    ("expected_attention_token", "token", {"n_sink": "0", "epsilon": "0.5", "recent_tokens": "1"}, 0.3, CHUNKED,
+     {"chunk_size": 12}),
+    ("kvzip_head", "head", {"chunk_size": "7", "sink_tokens": "1", "recent_tokens": "1"}, 0.3, DECODING, {}),
+    ("kvzip_head", "head", {"chunk": "11", "layerwise": "true"}, 0.6, CHUNKED, {"chunk_size": 33}),
+    ("kvzip_page", "page", {"chunk_size": "8", "recent_fraction": "0.2", "observation_window": "2"}, 0.3,
+     PAGED_CHUNKED, {"block_size": 8, "chunk_size": 24}),
+    ("critical_snapkv_head", "head", {"window": "8", "first_stage_ratio": "0", "epsilon": "0"}, 0.3, DECODING, {}),
+    ("critical_h2o_token", "token", {"first_stage_ratio": "1", "normalize": "true"}, 0.3, CHUNKED, {}),
+    # Expected Attention's value norm under CriticalKV, with CriticalKV's epsilon 0 (the two share the name)
+    ("critical_expected_attention_head", "head", {"use_vnorm": "true", "epsilon": "0"}, 0.3, DECODING, {}),
+    ("critical_lagkv_head_page", "head_page", {"lag": "6", "first_stage_ratio": "0.75"}, 0.6, DECODING,
+     {"block_size": 2}),
+    ("adakv_expected_attention", "head", {"alpha_safeguard": "1", "n_future": "32"}, 0.3, CHUNKED, {}),
+    ("adakv_keydiff", "head", {"alpha_safeguard": "0", "sink_tokens": "2"}, 0.1, DECODING, {}),
+    ("adakv_lagkv", "head", {"lag": "4", "alpha_safeguard": "0.4"}, 0.3, DECODING, {}),
+    # scripts/parity_kvpress.py's rows for them: published settings, query-agnostic, no decode eviction
+    ("expected_attention_head", "head", {}, 0.5, KVPRESS, {"long": True}),
+    ("adakv_expected_attention", "head", {}, 0.2, KVPRESS, {"long": True}),
+    ("keydiff_head", "head", {}, 0.2, KVPRESS, {"long": True}),
+    ("lagkv_head", "head", {}, 0.5, KVPRESS, {"long": True}),
+    ("kvzip_head", "head", {}, 0.2, KVPRESS, {"long": True}),
+    ("critical_snapkv_head", "head", {"window": "64", "kernel": "5", "pooling": "avg"}, 0.8, KVPRESS,
+     {"long": True}),
 ]
 
 
@@ -432,6 +547,77 @@ def test_mutation_snapkv_window_off_by_one_is_caught(monkeypatch):
     cases = [("snapkv_head", "head", args, budget, env) for env in MUTATION_ENVS
              for args in ({}, {"window": "8", "kernel": "5", "pooling": "avg"}) for budget in (0.3, 0.6)]
     _caught(monkeypatch, cases)
+
+
+def test_mutation_keydiff_anchor_from_raw_keys_is_caught(monkeypatch):
+    """KeyDiff's anchor as the mean of the raw keys (not of the unit-normalised ones) must disagree."""
+    functional = evalkit.policies.keydiff.F
+    monkeypatch.setattr(evalkit.policies.keydiff, "F", types.SimpleNamespace(
+        normalize=lambda x, p, dim: x, cosine_similarity=functional.cosine_similarity))
+    _caught(monkeypatch, [("keydiff_head", g, {}, budget, env) for env in MUTATION_ENVS for g in ("head", "token")
+                          for budget in (0.3, 0.6)])
+
+
+def test_mutation_lagkv_partition_against_its_own_range_is_caught(monkeypatch):
+    """LagKV normalising a partition by its own range instead of the next partition's must disagree."""
+
+    def own_range(self, parts):
+        judged = parts[:-1]
+        low, high = judged.amin(1, keepdim=True), judged.amax(1, keepdim=True)
+        return ((judged - low) / (high - low)).std(-1).softmax(-1)
+
+    monkeypatch.setattr(evalkit.policies.lagkv.LagKV, "_spread", own_range)
+    _caught(monkeypatch, [("lagkv_head", "head", {"lag_size": lag}, budget, env) for env in MUTATION_ENVS
+                          for lag in ("8", "5") for budget in (0.3, 0.6)])
+
+
+def test_mutation_expected_attention_moments_after_rope_are_caught(monkeypatch):
+    """Expected Attention's query moments summed over the queries after RoPE (not turned back) must disagree."""
+    monkeypatch.setattr(evalkit.policies.query_moments, "unrotate", lambda q, cos, sin: q)
+    _caught(monkeypatch, [("expected_attention_head", g, {}, budget, env) for env in MUTATION_ENVS
+                          for g in ("head", "token") for budget in (0.3, 0.6)])
+
+
+def test_mutation_critical_value_norms_through_the_wrong_heads_are_caught(monkeypatch):
+    """CriticalKV projecting each value through the next query head's slice of o_proj must disagree."""
+    norms = evalkit.policies.critical.projected_value_norms
+
+    def shifted(values, o_proj):
+        hidden, D = o_proj.shape[0], values.shape[-1]
+        return norms(values, o_proj.view(hidden, -1, D).roll(1, dims=1).reshape(hidden, -1))
+
+    monkeypatch.setattr(evalkit.policies.critical, "projected_value_norms", shifted)
+    _caught(monkeypatch, [(name, "head", {}, budget, env) for env in MUTATION_ENVS
+                          for name in ("critical_keydiff_head", "critical_snapkv_head") for budget in (0.3, 0.6)])
+
+
+def test_mutation_adakv_safeguard_of_the_whole_budget_is_caught(monkeypatch):
+    """Ada-KV over other scorers than SnapKV with a safeguard of the whole budget (alpha 1: every head keeps its
+    own budget, nothing is reallocated) must disagree."""
+    select = evalkit.policies.adakv.select_adaptive
+    monkeypatch.setattr(evalkit.policies.adakv, "select_adaptive",
+                        lambda scores, positions, seen, caps, alpha, *rest: select(scores, positions, seen, caps, 1.0,
+                                                                                   *rest))
+    _caught(monkeypatch, [(name, "head", {}, budget, env) for env in MUTATION_ENVS
+                          for name in ("adakv_expected_attention", "adakv_keydiff") for budget in (0.3, 0.6)])
+
+
+def test_mutation_kvzip_reconstruction_without_the_sinks_is_caught(monkeypatch):
+    """KVzip's reconstruction softmax leaving out the sinks before a later chunk must disagree."""
+    scores = evalkit.loop.reconstruction.reconstruction_scores
+    monkeypatch.setattr(evalkit.loop.reconstruction, "reconstruction_scores",
+                        lambda *args: scores(*args[:7], 0, *args[8:]))
+    _caught(monkeypatch, [("kvzip_head", g, {"chunk_size": "24"}, budget, env) for env in MUTATION_ENVS
+                          for g in ("head", "token") for budget in (0.3, 0.6)])
+
+
+@pytest.mark.xfail(strict=True, reason="KVzip in a chunked prefill reconstructs chunks up to the prefill chunk's end, "
+                   "past the longest prompt: a reconstruction forward of no tokens, which transformers refuses")
+def test_kvzip_reconstructs_chunks_smaller_than_a_prefill_chunk():
+    """KVzip chunks of 12 in prefill chunks of 16: the last prefill chunk of every prompt ends before its second
+    reconstruction chunk begins."""
+    message = disagreement("kvzip_head", "head", {"chunk_size": "12"}, 0.3, CHUNKED)
+    assert message is None, message
 
 
 def test_quest_reads_change_tokens_so_its_comparison_has_power():
