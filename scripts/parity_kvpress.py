@@ -59,6 +59,11 @@ class Press:
     compressing: bool = True  # False: the full cache, one row at keep 1
     kvpress_of: str | None = None  # evalkit-only row, compared with this press's kvpress answers
     note: str = ""
+    # A wrapper press (AdaKVPress, CriticalKVPress, ChunkKVPress) takes the press it wraps as `press=`;
+    # the compression ratio is the wrapped press's (the wrappers forward theirs to it).
+    kvpress_inner: str | None = None
+    kvpress_inner_kwargs: dict = field(default_factory=dict)
+    evalkit_args: tuple[str, ...] = ()  # further `evalkit run` options, e.g. ("--block-size", "16")
 
     @property
     def matched(self) -> bool:
@@ -68,12 +73,17 @@ class Press:
     def kvpress_label(self) -> str:
         if self.kvpress_class is None:
             return "no press"
-        args = ", ".join(f"{k}={v}" for k, v in self.kvpress_kwargs.items())
-        return f"{self.kvpress_class}({args})" if args else self.kvpress_class
+
+        def label(cls: str, kwargs: dict, inner: str | None = None) -> str:
+            args = ", ".join([*([inner] if inner else []), *(f"{k}={v}" for k, v in kwargs.items())])
+            return f"{cls}({args})" if args else cls
+
+        inner = label(self.kvpress_inner, self.kvpress_inner_kwargs) if self.kvpress_inner else None
+        return label(self.kvpress_class, self.kvpress_kwargs, inner)
 
     @property
     def evalkit_label(self) -> str:
-        return " ".join([self.policy, *(f"--policy-arg {a}" for a in self.policy_args)])
+        return " ".join([self.policy, *(f"--policy-arg {a}" for a in self.policy_args), *self.evalkit_args])
 
 
 PRESSES: dict[str, Press] = {p.name: p for p in (
@@ -87,6 +97,18 @@ PRESSES: dict[str, Press] = {p.name: p for p in (
           note="unmatched: evalkit's per-KV-head TOVA against kvpress's TOVAPress"),
     Press("observed_attention", "ObservedAttentionPress", eager=True, policy="h2o_head",
           policy_args=("normalize=true", "recent_fraction=0")),
+    # The zoo of issue #29: none of these needs eager attention (AdaKVPress and CriticalAdaKVPress refuse it).
+    Press("expected_attention", "ExpectedAttentionPress", policy="expected_attention_head"),
+    Press("adakv_expected_attention", "AdaKVPress", kvpress_inner="ExpectedAttentionPress",
+          policy="adakv_expected_attention"),
+    Press("keydiff", "KeyDiffPress", policy="keydiff_head"),
+    Press("lagkv", "LagKVPress", {"n_sink": 4, "lag_size": 128}, policy="lagkv_head"),
+    Press("critical_snapkv", "CriticalKVPress", kvpress_inner="SnapKVPress",
+          kvpress_inner_kwargs={"window_size": 64, "kernel_size": 5}, policy="critical_snapkv_head",
+          policy_args=("window=64", "kernel=5", "pooling=avg")),
+    Press("chunkkv_snapkv", "ChunkKVPress", {"chunk_length": 16}, kvpress_inner="SnapKVPress",
+          kvpress_inner_kwargs={"window_size": 64, "kernel_size": 5}, policy="snapkv_page",
+          policy_args=("window=64", "kernel=5", "pooling=avg"), evalkit_args=("--block-size", "16")),
 )}
 DEFAULT_PRESSES = tuple(PRESSES)
 DEFAULT_KEEP = (0.5, 0.2)
@@ -440,7 +462,10 @@ for cell in job["cells"]:
     if not todo:
         continue
     press = None
-    if cell["press"] is not None:
+    if cell["press"] is not None and cell.get("inner"):  # a wrapper: the ratio is the wrapped press's
+        inner = getattr(kvpress, cell["inner"])(compression_ratio=cell["ratio"], **cell["inner_kwargs"])
+        press = getattr(kvpress, cell["press"])(press=inner, **cell["kwargs"])
+    elif cell["press"] is not None:
         press = getattr(kvpress, cell["press"])(compression_ratio=cell["ratio"], **cell["kwargs"])
     pipe = get_pipe(cell["eager"])
     for number, r in enumerate(todo, 1):
@@ -480,6 +505,7 @@ def run_kvpress(venv: Path, model_dir: Path, data: Path, out: Path, todo: list[C
         seen.add(cell.kvpress_key)
         job_cells.append({"key": cell.kvpress_key, "press": cell.press.kvpress_class, "ratio": cell.ratio,
                           "kwargs": cell.press.kvpress_kwargs, "eager": cell.press.eager,
+                          "inner": cell.press.kvpress_inner, "inner_kwargs": cell.press.kvpress_inner_kwargs,
                           "cache": str(kvpress_cache(out, stem, cell.kvpress_key))})
     tokens = out / "kvpress" / stem / "tokens.json"
     if tokens.exists() and all(Path(c["cache"]).exists() and _complete(Path(c["cache"]), data) for c in job_cells):
@@ -524,7 +550,7 @@ def evalkit_features(command: list[str]) -> dict:
             names.add(name)
         except EvalkitError:
             pass
-    return {"policy_arg": "--policy-arg" in help_text, "policies": names}
+    return {"policy_arg": "--policy-arg" in help_text, "policies": names, "no_baseline": "--no-baseline" in help_text}
 
 
 def missing_feature(cell: Cell, features: dict) -> str | None:
@@ -541,17 +567,29 @@ def evalkit_dir(out: Path, stem: str, cell: Cell) -> Path:
     return out / "evalkit" / stem / cell.key
 
 
-def finished_run(folder: Path) -> Path | None:
-    """The newest finished run in a cell's folder."""
+def finished_run(folder: Path, cell: Cell | None = None) -> Path | None:
+    """The newest finished run in a cell's folder (of the cell's policy and budget, when `cell` is given:
+    an `evalkit run` without --no-baseline also stores its full-cache baseline run there)."""
     runs = [m.parent for m in folder.glob("*/metrics.json")] if folder.exists() else []
+    if cell is not None:
+        runs = [run for run in runs if _made_by(run, cell)]
     return max(runs, key=lambda p: (p / "metrics.json").stat().st_mtime) if runs else None
 
 
+def _made_by(run: Path, cell: Cell) -> bool:
+    try:
+        config = json.loads((run / "config.json").read_text()).get("config", {})
+    except (OSError, ValueError):
+        return False
+    return (config.get("policy") == cell.press.policy
+            and abs(float(config.get("budget", -1)) - float(cell.budget)) < 1e-9)
+
+
 def run_evalkit(command: list[str], cell: Cell, data: Path, out: Path, length: int, seed: int,
-                model: str, rerun: bool, threads: int) -> str | None:
+                model: str, rerun: bool, threads: int, no_baseline: bool = False) -> str | None:
     """Runs one cell unless finished; returns why it failed, or None."""
     folder = evalkit_dir(out, data.stem, cell)
-    if finished_run(folder):
+    if finished_run(folder, cell):
         if not rerun:
             return None
         # evalkit would return its finished run of the same settings as it is: set it aside.
@@ -562,6 +600,9 @@ def run_evalkit(command: list[str], cell: Cell, data: Path, out: Path, length: i
                       "--out", str(folder), "--wandb", "off"]
     for arg in cell.press.policy_args:
         argv += ["--policy-arg", arg]
+    argv += list(cell.press.evalkit_args)
+    if no_baseline:  # the cell's own run only (the full cache is the `none` row)
+        argv.append("--no-baseline")
     print(f"evalkit {cell.key}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     start, commit = time.perf_counter(), git_commit()
     done = subprocess.run(argv, capture_output=True, text=True, env=tool_env(threads))
@@ -569,14 +610,14 @@ def run_evalkit(command: list[str], cell: Cell, data: Path, out: Path, length: i
         lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
         return lines[-1].strip() if lines else f"exit {done.returncode}"
     print(f"evalkit {cell.key}: done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    if run := finished_run(folder):  # evalkit is edited while this runs: which code made the run
+    if run := finished_run(folder, cell):  # evalkit is edited while this runs: which code made the run
         (run / "parity_commit.txt").write_text(commit + "\n")
     return None
 
 
-def evalkit_results(folder: Path) -> tuple[dict, dict, dict | None]:
+def evalkit_results(folder: Path, cell: Cell) -> tuple[dict, dict, dict | None]:
     """(scores by id, seconds by id, the run's config.json) of a cell's newest finished run."""
-    run = finished_run(folder)
+    run = finished_run(folder, cell)
     if run is None:
         return {}, {}, None
     records = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines() if line.strip()]
@@ -599,7 +640,7 @@ def collect(out: Path, data: Path, records: list[dict], todo: list[Cell], skippe
         answers = json.loads(path.read_text()) if path.exists() else {}
         answers = {i: a for i, a in answers.items() if i in references}
         kv_scores = {i: METRICS["string_match_all"](a["answer"], references[i]) for i, a in answers.items()}
-        ek_scores, ek_seconds, ek = evalkit_results(evalkit_dir(out, data.stem, cell))
+        ek_scores, ek_seconds, ek = evalkit_results(evalkit_dir(out, data.stem, cell), cell)
         row = {"press": cell.press.name, "keep": cell.keep, "kvpress_ratio": cell.ratio,
                "kvpress": cell.press.kvpress_label, "evalkit": f"{cell.press.evalkit_label} --budget {cell.budget}",
                "matched": cell.press.matched, "note": cell.press.note or skipped.get(cell.key, ""),
@@ -695,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             reason = missing_feature(cell, features)
             if reason is None:
                 reason = run_evalkit(command, cell, data, out, args.length, args.seed, model, args.rerun_evalkit,
-                                     args.threads)
+                                     args.threads, features["no_baseline"])
                 failed |= reason is not None
             if reason:
                 skipped[cell.key] = f"evalkit not run: {reason}"

@@ -75,3 +75,37 @@ def test_table_formats(parity):
     markdown = parity.format_markdown([row]).splitlines()
     assert markdown[0].startswith("| press | keep |") and markdown[1].startswith("|---|")
     assert markdown[2].count("|") == markdown[0].count("|")
+
+
+def test_wrapper_rows_and_labels(parity):
+    presses = parity.PRESSES
+    # The rows of issue #29, none with eager attention (kvpress's AdaKVPress asserts it is not eager).
+    for name in ("expected_attention", "adakv_expected_attention", "keydiff", "lagkv", "critical_snapkv",
+                 "chunkkv_snapkv"):
+        assert name in parity.DEFAULT_PRESSES and presses[name].matched and not presses[name].eager
+    assert presses["adakv_expected_attention"].kvpress_label == "AdaKVPress(ExpectedAttentionPress)"
+    assert presses["critical_snapkv"].kvpress_label == "CriticalKVPress(SnapKVPress(window_size=64, kernel_size=5))"
+    chunk = presses["chunkkv_snapkv"]
+    assert chunk.kvpress_label == "ChunkKVPress(SnapKVPress(window_size=64, kernel_size=5), chunk_length=16)"
+    assert chunk.evalkit_label.startswith("snapkv_page --policy-arg window=64") and chunk.evalkit_label.endswith(
+        "--block-size 16")
+    # Rows without a wrapper keep their labels.
+    assert presses["snapkv"].kvpress_label == "SnapKVPress(window_size=64, kernel_size=5)"
+    assert presses["knorm"].kvpress_label == "KnormPress" and presses["knorm"].evalkit_label == "knorm_head"
+
+
+def test_finished_run_is_the_cells_own_not_its_baseline(parity, tmp_path):
+    # `evalkit run` without --no-baseline also stores the full-cache run in the cell's folder.
+    import json
+    import os
+
+    cell = parity.cells(("keydiff",), (0.5,))[0]
+    for name, policy, budget, mtime in (("own", "keydiff_head", 0.5, 1000), ("base", "full", 1.0, 2000)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"config": {"policy": policy, "budget": budget}}))
+        (run / "metrics.json").write_text("{}")
+        os.utime(run / "metrics.json", (mtime, mtime))
+    assert parity.finished_run(tmp_path, cell).name == "own"
+    assert parity.finished_run(tmp_path).name == "base"  # the newest, whatever made it
+    assert parity.finished_run(tmp_path, parity.cells(("snapkv",), (0.5,))[0]) is None
