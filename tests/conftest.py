@@ -18,6 +18,11 @@ TINY = dict(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_la
             initializer_range=0.2)  # wide init: peaked logits, so greedy ties cannot flip on rounding
 
 
+# Policy args for the tests' short prompts (tens of tokens): DuoAttention's streaming heads keep 128 sinks + 256
+# recent tokens, more than those prompts, so at its defaults it would evict nothing there.
+SHORT_PROMPT_ARGS = {"duo_attention": {"sink_size": "1", "recent_size": "3"}}
+
+
 def tiny_config(arch: str, kv_heads: int = 2):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import SHORT_PROMPT_ARGS, tiny_model
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import POLICIES, make_policy
 
@@ -30,8 +30,8 @@ def run(model, prompt_list, policy="full", budget=1.0, split=None, observe=None,
     model.generation_config.eos_token_id = None
     split = split or (lambda p: len(p))
     requests = [Request(p[: split(p)], p[split(p):], NEW) for p in prompt_list]
-    return generate(model, None, requests, GenerationSettings(make_policy(policy), budget=budget, **settings),
-                    observe=observe)
+    return generate(model, None, requests, GenerationSettings(make_policy(policy, args=SHORT_PROMPT_ARGS.get(policy)),
+                                                              budget=budget, **settings), observe=observe)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_model
+from conftest import SHORT_PROMPT_ARGS, tiny_config, tiny_model
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import (GRANULARITIES, PAGE_GRANULARITIES, POLICIES, ScoreInput, keep_mask, make_policy,
@@ -362,6 +362,9 @@ PUBLISHED_DEFAULTS = {
     # n_sink 4, covariance and value norm on, epsilon 0
     "expected_attention": dict(_NO_PROTECTION, sink_tokens=4, n_future_positions=512, use_covariance=True,
                                use_vnorm=True, epsilon=0.0),
+    # DuoAttention (arXiv:2410.10819; kvpress 0.5.5's DuoAttentionPress(on_the_fly_scoring=True)): streaming heads
+    # keep sink_size 128 + recent_size 256
+    "duo_attention": dict(_NO_PROTECTION, sink_tokens=128, recent_tokens=256),
 }
 _WRAPPED = ("h2o", "snapkv", "tova", "knorm", "keydiff", "lagkv", "expected_attention")
 # Ada-KV over any scorer (arXiv:2407.11550; kvpress 0.5.5's AdaKVPress(press), alpha_safeguard=0.20): the
@@ -380,6 +383,7 @@ OWN_GRANULARITY = {
     "h2o_block1": "token",  # H2O's block size 1: one set of single tokens for all heads
     "tova": "token",  # TOVA as published: one set per layer, from all heads' attention
     "keydiff": "head", "lagkv": "head", "expected_attention": "head",  # kvpress scores per KV head
+    "duo_attention": "head",  # a role per KV head: retrieval or streaming
     **{f"adakv_{s}": "head" for s in _WRAPPED},  # Ada-KV reallocates across heads: head granularity
     # CriticalKV corrects each KV head's scores by its own projected values (TOVA's too): per head
     **{f"critical_{s}": "head" for s in _WRAPPED},
@@ -473,7 +477,7 @@ def test_every_policy_runs_at_every_granularity_within_its_budget(name, granular
     model = gqa3_model()
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23)]
     budget = torch.tensor([12, 7])  # ceil(0.3 x [40, 23])
-    policy = make_policy(name, granularity)
+    policy = make_policy(name, granularity, SHORT_PROMPT_ARGS.get(name))
     kept = {}
 
     def grab(event, cache):
@@ -496,6 +500,8 @@ def test_every_policy_runs_at_every_granularity_within_its_budget(name, granular
         per_head = tokens[:, b]  # [L, H_kv]
         if name.startswith("adakv") and granularity == "head":
             assert per_head.sum(-1).tolist() == [2 * k] * 2
+        elif name == "duo_attention":  # retrieval heads keep the prompt, streaming heads 1 sink + 3 recent
+            assert float(per_head.float().mean()) <= k
         else:
             assert int(per_head.max()) <= k
             if granularity in PAGE_GRANULARITIES:

@@ -144,6 +144,7 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     compressed, appended = split_prompts(requests, settings.query_aware)
     if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
         raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
+    policy.prepare(model, tokenizer)
     budgets = budgets_for(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     # Every sequence is fed until the last one finishes (`Decoding.next_tokens`): the batch's longest answer.

@@ -142,7 +142,7 @@ def new_state(model, settings: GenerationSettings, lengths: torch.Tensor, caps: 
                after_prefill: torch.Tensor, observe: Observer | None, with_cache: bool = True) -> LoopState:
     """A state whose cache holds the prefill's peak (lengths [B], or caps [L, B] plus a chunk when chunked) plus
     `after_prefill` [B] more tokens per head (none yet without `with_cache`)."""
-    widest = caps.amax(0)
+    widest = settings.policy.head_capacity(caps, lengths)
     prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
     cache = new_cache(model, settings, prefill_peak, after_prefill) if with_cache else None
     start = torch.zeros(len(lengths), dtype=torch.long)

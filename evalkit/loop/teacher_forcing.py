@@ -53,6 +53,7 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
     unique = [requests[member.index(g)] for g in range(len(groups))]
     policy = settings.policy
     compressed, appended = split_prompts(unique, settings.query_aware)
+    policy.prepare(model)
     budgets = budgets_for(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     fed = [r.continuation_ids[:-1] for r in unique]  # the last token is predicted, never fed
@@ -126,6 +127,7 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
     settings = replace(settings, prefill="chunked")
     policy = settings.policy
     inputs = [list(s[:-1]) for s in sequences]
+    policy.prepare(model)
     budgets = budgets_for(model, settings, inputs)
     lengths = budgets.lengths
     state = new_state(model, settings, lengths, budgets.caps, torch.zeros(len(inputs), dtype=torch.long), observe)

@@ -103,10 +103,19 @@ class Policy:
         spare = (caps - self.sink_tokens).clamp(min=0)
         return self.recent_tokens + (self.recent_fraction * spare).long()
 
+    def prepare(self, model, tokenizer=None) -> None:
+        """Called before each batch's prefill with its model (and tokenizer, None if unknown): for a policy that
+        learns about the model first (DuoAttention ranks its heads). Nothing by default."""
+
     def layer_caps(self, tokens: torch.Tensor, lengths: torch.Tensor, num_layers: int) -> torch.Tensor:
         """caps [L, B]: the budget's `tokens` [B] per KV head spread over the layers; uniform unless an
         allocator says otherwise."""
         return tokens.expand(num_layers, -1)
+
+    def head_capacity(self, caps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B] most tokens one KV head keeps after a compression to `caps` [L, B] (what a chunked prefill's cache
+        is sized for): the widest layer's cap, unless some heads keep more (DuoAttention's retrieval heads)."""
+        return caps.amax(0)
 
     def select(self, scores, positions, seen, caps, block_size, recent) -> torch.Tensor:
         """[B, H_kv, N] bool: the slots to keep (the shared selection at this policy's granularity)."""
