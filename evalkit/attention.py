@@ -50,6 +50,7 @@ class ForwardPlan:
     record: "PromptRecord | None" = None  # a shared prefill: keep each layer's K/V and statistics, no storage
     # Query moments to add this forward's queries to, with the RoPE (cos, sin) [B, T, D] of its positions.
     moments: "tuple[list[QueryMoments], torch.Tensor, torch.Tensor] | None" = None
+    captured: dict | None = None  # layer -> (queries, scaling): a reconstruction forward's queries (KVzip)
 
 
 @dataclass
@@ -301,6 +302,8 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(plan, JointForwardPlan):
         return _joint_attention(module, query, key, value, plan, scaling, sliding_window), None
+    if plan.captured is not None:
+        plan.captured[module.layer_idx] = (query, scaling)
     if plan.moments is not None:
         moments, cos, sin = plan.moments
         for each in moments:

@@ -102,8 +102,9 @@ def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mod
 
 def prefill_key(config: RunConfig) -> tuple | None:
     """What a run's prefill depends on, or None when it cannot be shared (chunked prefill streams
-    through the policy's cache; perplexity is scored in chunks)."""
-    if config.prefill != "full" or config.task == Perplexity.name:
+    through the policy's cache; perplexity is scored in chunks; KVzip's reconstruction forward runs on
+    its own prefill's cache)."""
+    if config.prefill != "full" or config.task == Perplexity.name or config.make_policy().reconstructs:
         return None
     after_prefill = fields_where(after_prefill=True)
     return tuple(sorted((k, repr(v)) for k, v in config.to_dict().items() if k not in after_prefill))
@@ -361,6 +362,8 @@ def aggregate(records: list[dict]) -> dict:
         "prefill_tokens_per_s": total("prompt_tokens") / max(1e-9, total("prefill_seconds")),
         "decode_tokens_per_s": total("new_tokens") / max(1e-9, total("decode_seconds")),
         "seconds": total("prefill_seconds") + total("decode_seconds"),
+        **({"reconstruction_seconds": total("reconstruction_seconds") / n}
+           if all("reconstruction_seconds" in r for r in records) else {}),
     }
 
 

@@ -58,7 +58,8 @@ def test_every_policy_and_granularity_keeps_between_a_page_short_and_the_budget(
     lowest = BUDGET - ((PROMPT - policy.sink_tokens - policy.recent_tokens) / kept.numel() if duo else BLOCK - 1)
     assert lowest <= gen.kept_tokens <= BUDGET, kept.tolist()
     adaptive = policy.layer_caps(torch.tensor([BUDGET]), torch.tensor([PROMPT]), 2).unique().numel() > 1 \
-        or type(policy).__name__.startswith("Ada") and policy.granularity == "head" or duo
+        or type(policy).__name__.startswith("Ada") and policy.granularity == "head" or duo \
+        or policy.selects_across_layers
     if not adaptive:  # uniform budgets: every single head within a page of the budget
         assert bool((kept <= BUDGET).all()) and bool((kept >= BUDGET - (BLOCK - 1)).all()), kept.tolist()
 

@@ -62,7 +62,7 @@ def test_snapkv_max_pools_the_prefix_over_neighbouring_positions_whatever_the_st
     attention = by_slot([0, 0, 5, 0, 0, 0, 1, 0, 0, 0], positions)
     scores = snapkv(2, 3).score(score_input(attention, positions=positions, stat_end=[10]))
     pooled = [0, 5, 5, 5, 0, 1, 1, 1, 0, 0]  # max over p-1, p, p+1 within the prefix
-    assert scores.tolist() == by_slot(pooled, positions)
+    assert (scores * 2).tolist() == by_slot(pooled, positions)  # a mean over the window's 2 queries
 
 
 def test_snapkv_pooling_does_not_spread_window_attention_onto_the_positions_before_the_window():
@@ -70,15 +70,15 @@ def test_snapkv_pooling_does_not_spread_window_attention_onto_the_positions_befo
     # position 7 the window's 7 (max) or (1 + 0 + 7) / 3 (avg).
     positions = torch.arange(10).view(1, 1, 10)
     attention = [[[0, 0, 0, 0, 0, 0, 1, 0, 7, 3]]]  # window (stat_end 10, w 2) = positions 8, 9
-    scores = snapkv(2, 3, "max").score(score_input(attention, positions=positions, stat_end=[10]))
+    scores = 2 * snapkv(2, 3, "max").score(score_input(attention, positions=positions, stat_end=[10]))  # x w: sums
     assert scores.tolist() == [[[0, 0, 0, 0, 0, 1, 1, 1, 0, 0]]]
     # avg pooling, padding and the window counted as zeros: (0 + 1 + 0) / 3 at 5, 6, 7
-    scores = snapkv(2, 3, "avg").score(score_input(attention, positions=positions, stat_end=[10]))
+    scores = 2 * snapkv(2, 3, "avg").score(score_input(attention, positions=positions, stat_end=[10]))
     assert scores.flatten().tolist() == pytest.approx([0, 0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3, 0, 0])
     # per row: row 1 has seen 8 at its last statistic -> prefix 0..5; position 6 is its window
     attention = [[[0, 0, 0, 0, 0, 0, 1, 0, 7, 3]], [[0, 0, 0, 0, 0, 2, 9, 9, 0, 0]]]
-    scores = snapkv(2, 3).score(score_input(attention, positions=torch.arange(10).expand(2, 1, 10),
-                                            stat_end=[10, 8]))
+    scores = 2 * snapkv(2, 3).score(score_input(attention, positions=torch.arange(10).expand(2, 1, 10),
+                                                stat_end=[10, 8]))
     assert scores.tolist() == [[[0, 0, 0, 0, 0, 1, 1, 1, 0, 0]], [[0, 0, 0, 0, 2, 2, 0, 0, 0, 0]]]
 
 
@@ -365,6 +365,9 @@ PUBLISHED_DEFAULTS = {
     # DuoAttention (arXiv:2410.10819; kvpress 0.5.5's DuoAttentionPress(on_the_fly_scoring=True)): streaming heads
     # keep sink_size 128 + recent_size 256
     "duo_attention": dict(_NO_PROTECTION, sink_tokens=128, recent_tokens=256),
+    # KVzip (arXiv:2505.23416; kvpress 0.5.5's KVzipPress): n_sink 4, chunk_size 2048, the budget pooled over
+    # layers and heads (layerwise False)
+    "kvzip": dict(_NO_PROTECTION, sink_tokens=4, chunk_size=2048, layerwise=False),
 }
 _WRAPPED = ("h2o", "snapkv", "tova", "knorm", "keydiff", "lagkv", "expected_attention")
 # Ada-KV over any scorer (arXiv:2407.11550; kvpress 0.5.5's AdaKVPress(press), alpha_safeguard=0.20): the
@@ -373,7 +376,7 @@ PUBLISHED_DEFAULTS |= {f"adakv_{s}": dict(PUBLISHED_DEFAULTS[s], alpha_safeguard
 PUBLISHED_DEFAULTS["adakv"] = PUBLISHED_DEFAULTS["adakv_snapkv"]
 # CriticalKV over any scorer (arXiv:2502.03805; kvpress 0.5.5's CriticalKVPress(press)): the scorer's, epsilon
 # 1e-4, first_stage_ratio 0.5; Expected Attention without its value norm (kvpress warns it should be off)
-PUBLISHED_DEFAULTS |= {f"critical_{s}": dict(PUBLISHED_DEFAULTS[s], epsilon=1e-4, first_stage_ratio=0.5,
+PUBLISHED_DEFAULTS |= {f"critical_{s}": dict(PUBLISHED_DEFAULTS[s], critical_epsilon=1e-4, first_stage_ratio=0.5,
                                              **({"use_vnorm": False} if s == "expected_attention" else {}))
                        for s in _WRAPPED}
 # Names that do not end in their granularity (`<family>_<granularity>` runs at that granularity).
@@ -382,7 +385,7 @@ OWN_GRANULARITY = {
     "adakv": "head", "h2o": "head", "snapkv": "head", "pyramidkv": "head", "knorm": "head",
     "h2o_block1": "token",  # H2O's block size 1: one set of single tokens for all heads
     "tova": "token",  # TOVA as published: one set per layer, from all heads' attention
-    "keydiff": "head", "lagkv": "head", "expected_attention": "head",  # kvpress scores per KV head
+    "keydiff": "head", "lagkv": "head", "expected_attention": "head", "kvzip": "head",  # kvpress: per KV head
     "duo_attention": "head",  # a role per KV head: retrieval or streaming
     **{f"adakv_{s}": "head" for s in _WRAPPED},  # Ada-KV reallocates across heads: head granularity
     # CriticalKV corrects each KV head's scores by its own projected values (TOVA's too): per head
@@ -500,6 +503,8 @@ def test_every_policy_runs_at_every_granularity_within_its_budget(name, granular
         per_head = tokens[:, b]  # [L, H_kv]
         if name.startswith("adakv") and granularity == "head":
             assert per_head.sum(-1).tolist() == [2 * k] * 2
+        elif policy.selects_across_layers:  # KVzip: one budget pooled over the layers and heads
+            assert int(per_head.sum()) == 2 * 2 * k
         elif name == "duo_attention":  # retrieval heads keep the prompt, streaming heads 1 sink + 3 recent
             assert float(per_head.float().mean()) <= k
         else:

@@ -70,11 +70,14 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
     recents = torch.minimum(policy.recent_count(caps) + unscored, caps)  # [L, B]
     over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over their caps
     fewest_kept = caps.amin(1).tolist()  # [L]
+    pooled = policy.selects_across_layers  # one budget for all layers: every layer is selected, or none
+    if pooled and _within_pooled(layers, caps):
+        return [None] * len(layers)
     for layer_idx, layer in enumerate(layers):
         view = layer.read(trim=True)
         within = view.index.shape[-1] <= fewest_kept[layer_idx] if view.all_live else \
             bool(((view.pos >= 0).sum(-1).cpu() <= caps[layer_idx][:, None]).all())  # all_live: each head holds N
-        if within:
+        if within and not pooled:
             continue
         scores = policy.score(ScoreInput(
             view.k if policy.reads_keys else None, view.pos, view.stats, layer_idx, state.settings.seed,
@@ -88,10 +91,22 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
     if over:
         layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
         width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
-        keep = policy.select(torch.cat([_padded_to(x, width) for x in scores]).cpu(),
-                             torch.cat([_padded_to(pos, width, -1) for pos in positions]).cpu(),
-                             state.seen.repeat(len(over)), caps[layer_ids].reshape(-1), state.settings.block_size,
-                             recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
+        scores = torch.cat([_padded_to(x, width) for x in scores]).cpu()
+        positions = torch.cat([_padded_to(pos, width, -1) for pos in positions]).cpu()
+        if pooled:
+            B = len(state.seen)
+            keep = policy.select_layers(scores.view(len(over), B, *scores.shape[1:]),
+                                        positions.view(len(over), B, *positions.shape[1:]), state.seen,
+                                        caps[layer_ids], recents[layer_ids]).flatten(0, 1)
+        else:
+            keep = policy.select(scores, positions, state.seen.repeat(len(over)), caps[layer_ids].reshape(-1),
+                                 state.settings.block_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
         for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
             chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))
     return chosen
+
+
+def _within_pooled(layers, caps: torch.Tensor) -> bool:
+    """True when no sequence holds more tokens, over all layers and KV heads, than its pooled budget sum_l caps[l]."""
+    held = [layer.live_counts().cpu() for layer in layers]  # [B, H_kv] each
+    return bool((sum(h.sum(-1) for h in held) <= caps.sum(0) * held[0].shape[-1]).all())

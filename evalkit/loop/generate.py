@@ -13,6 +13,7 @@ import torch
 
 from evalkit.attention import evalkit_attention
 from evalkit.loop.compression import Budgets, budgets_for, compress
+from evalkit.loop.reconstruction import longest_reconstruction, reconstruct, reconstruction_prompts
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.state import (NO_LIMIT, Generation, GenerationSettings, LoopState, Observer, Request, forward,
                                 new_state, split_prompts)
@@ -35,6 +36,8 @@ def prefill(state: LoopState, compressed: list[list[int]], appended: list[list[i
         for start in range(0, longest, chunk):
             step_logits, counts = forward(state, [t[start:start + chunk] for t in compressed])
             logits = step_logits if logits is None else torch.where(counts[:, None] > 0, step_logits, logits)
+            if state.reconstruction is not None:  # KVzip: score what was just fed by repeating it
+                reconstruct(state, compressed, start, start + chunk)
             compress(state, caps)
     state.collect_moments = False
     if any(appended):
@@ -114,6 +117,8 @@ class Decoding:
     def generations(self, decode_seconds: float) -> list[Generation]:
         timing = {"prefill_seconds": self.prefill_seconds, "decode_seconds": decode_seconds,
                   "prompt_tokens": int(self.prompt_tokens.sum()), "new_tokens": sum(len(o) for o in self.outputs)}
+        if self.state.reconstruction is not None:  # KVzip's extra forward, inside the prefill's seconds
+            timing["reconstruction_seconds"] = self.state.reconstruction_seconds
         attended, available = self.state.attended, self.state.available
         read = torch.where(available > 0, attended / available.clamp(min=1), 1.0)
         per_token = self.state.cache.bytes_per_token()
@@ -142,19 +147,23 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     """Prefill (compressing as the policy says) and get ready to decode; call inside `evalkit_attention`."""
     policy = settings.policy
     compressed, appended = split_prompts(requests, settings.query_aware)
-    if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
-        raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
+    if shared is not None and (settings.prefill != "full" or shared.compressed != compressed or policy.reconstructs):
+        raise ValueError("a shared prefill serves full-prefill runs of the same prompts only, reconstructing nothing")
     policy.prepare(model, tokenizer)
     budgets = budgets_for(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
     # Every sequence is fed until the last one finishes (`Decoding.next_tokens`): the batch's longest answer.
     max_new = max(r.max_new_tokens for r in requests)
     begun = time.perf_counter()
+    prompts = reconstruction_prompts(tokenizer) if policy.reconstructs and budgets.any_evicting else None
+    room = extra + max_new  # [B] tokens the cache takes after the prefill
+    if prompts is not None:  # and the reconstruction's, for a moment
+        room = room.clamp(min=longest_reconstruction(prompts, compressed, policy.chunk_size))
     decode_evicts = budgets.any_evicting and settings.decode_eviction
     decode_collect = policy.collect_decode if decode_evicts else None
     forks_compressed = shared is not None and not any(appended) and observe is None
-    state = new_state(model, settings, budgets.lengths, budgets.caps, extra + max_new, observe,
-                      with_cache=not forks_compressed)
+    state = new_state(model, settings, budgets.lengths, budgets.caps, room, observe, with_cache=not forks_compressed)
+    state.reconstruction = prompts
     state.collect = policy.collect_prefill if budgets.any_evicting else None
     if policy.reads_query_moments and budgets.any_evicting:  # summed over the compressed prompt only
         state.moments = [shared.moments_for(policy.sink_tokens) if shared is not None

@@ -69,6 +69,16 @@ compression (each prefill chunk, each decode step) and "prefill" once prefill is
 
 
 @dataclass
+class ReconstructionPrompts:
+    """KVzip's reconstruction prompts in a tokenizer's ids (`loop.reconstruction.reconstruction_prompts`)."""
+
+    prefix_length: int  # chat-template tokens before the user's text: not repeated
+    first: list[int]  # asks for the first chunk
+    later: list[int]  # asks for a later chunk, followed by the previous chunk's last tokens
+    suffix: list[int]  # the template's assistant turn, before the repeated chunk
+
+
+@dataclass
 class LoopState:
     model: torch.nn.Module
     cache: KVCache
@@ -84,6 +94,9 @@ class LoopState:
     record: PromptRecord | None = None  # a shared prefill's forward: no storage, everything recorded
     moments: list[QueryMoments] = field(default_factory=list)  # the prompt queries' moments, per skip asked for
     collect_moments: bool = False  # add this phase's queries to `moments`
+    reconstruction: ReconstructionPrompts | None = None  # for a policy that `reconstructs` (KVzip)
+    captured: dict | None = None  # layer -> (queries [B, H_q, T, D], scaling) of the current forward, when asked
+    reconstruction_seconds: float = 0.0  # spent reconstructing (part of the prefill's seconds)
 
 
 def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +122,7 @@ def forward_inputs(state: LoopState, tokens: list[list[int]]):
     moments = (state.moments, *rope_of(state.model)(positions)) if state.collect_moments and state.moments else None
     plan = ForwardPlan(state.cache, positions, valid.to(device), state.collect, state.policy.observation_window,
                        state.attend_filter, state.attended, state.available, state.settings.kernels, state.record,
-                       moments)
+                       moments, state.captured)
     return ids.to(device), positions, plan, valid.sum(1)
 
 

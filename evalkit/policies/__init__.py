@@ -4,7 +4,7 @@ from evalkit.policies.base import POLICIES, Policy, ScoreInput, make_policy, pol
 from evalkit.policies.budget import Budget, fraction_of, parse_budget, tokens_for
 from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, keep_mask, select_adaptive
 from evalkit.policies import (  # noqa: F401  (registration; the wrappers after the scorers they wrap)
-    duo_attention, expected_attention, full, h2o, keydiff, knorm, lagkv, pyramidkv, quest, random_policy, snapkv,
+    duo_attention, expected_attention, full, h2o, keydiff, knorm, kvzip, lagkv, pyramidkv, quest, random_policy, snapkv,
     streaming_llm, tova,
 )
 from evalkit.policies import adakv, critical  # noqa: F401,E402

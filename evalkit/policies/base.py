@@ -86,6 +86,8 @@ class Policy:
     reads_values: ClassVar[bool] = False  # True: `score` reads ScoreInput.values
     reads_query_moments: ClassVar[bool] = False  # True: the prefill sums its queries' moments (`QueryMoments`)
     reads_output_projection: ClassVar[bool] = False  # True: `score` reads the layer's o_proj weight
+    reconstructs: ClassVar[bool] = False  # True: the loop runs a context-reconstruction forward (KVzip) after the prefill
+    selects_across_layers: ClassVar[bool] = False  # True: `select_layers` chooses every layer's slots at once
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
     arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
     arg_choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # field name -> allowed string values

@@ -13,11 +13,12 @@ def critical_of(wrapped: type[Policy]) -> type[Policy]:
 
     @dataclass
     class Critical(wrapped):
-        """Two stages: a head's best `first_stage_ratio` x budget tokens by the scorer are kept first;
-        the rest rank by (score + `epsilon`) x the L1 norm of the value through the output projection,
-        ‖v W_o,h‖₁, averaged over the query heads of the KV head."""
+        """Two stages: a head's first `first_stage_ratio` x budget tokens are kept first — its protected
+        ones (sinks, recent window), which kvpress's scorers give their highest scores, then its best by
+        the scorer; the rest rank by (score + `epsilon`) x the L1 norm of the value through the output
+        projection, ‖v W_o,h‖₁, averaged over the query heads of the KV head."""
 
-        epsilon: float = arg(1e-4, 0.0, 1e6)
+        critical_epsilon: float = arg(1e-4, 0.0, 1e6)  # its own: a wrapped scorer's `epsilon` stays the scorer's
         first_stage_ratio: float = arg(0.5, 0.0, 1.0)
         description = f"{wrapped.scorer}, then value-aware: (score + ε) × ‖v W_o‖₁ past the first half of the budget"
         scorer = f"{wrapped.scorer} × projected value norm"
@@ -25,6 +26,9 @@ def critical_of(wrapped: type[Policy]) -> type[Policy]:
                  "Perspective (arXiv:2502.03805)")
         kvpress = f"CriticalKVPress({wrapped.kvpress.split(' ')[0]})" if wrapped.kvpress else ""
         reads_values = reads_output_projection = True
+        # kvpress's CriticalKVPress(epsilon=); a wrapped scorer's own epsilon (Expected Attention's) as scorer_epsilon
+        arg_aliases = {**wrapped.arg_aliases, "epsilon": "critical_epsilon",
+                       **({"scorer_epsilon": "epsilon"} if "epsilon" in wrapped.__dataclass_fields__ else {})}
 
         def score(self, inp: ScoreInput) -> torch.Tensor:
             base = super().score(inp).float()  # [B, H_kv, N]
@@ -32,10 +36,16 @@ def critical_of(wrapped: type[Policy]) -> type[Policy]:
             first = (inp.caps.double() * self.first_stage_ratio).long().clamp(max=base.shape[-1])  # [B]
             if self.first_stage_ratio > 0:
                 first = first.clamp(min=1)
-            ranked = torch.argsort(base.masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True)
+            newest = inp.positions.amax(-1, keepdim=True)  # [B, H_kv, 1]
+            recent = self.recent_count(inp.caps)[:, None, None]
+            protected = (inp.positions < self.sink_tokens) | (inp.positions > newest - recent)
+            order = base.masked_fill(protected, float("inf")).masked_fill(~live, float("-inf"))
+            by_position = torch.argsort(inp.positions, dim=-1, stable=True)  # ties: the earlier position first
+            ranked = by_position.gather(-1, torch.argsort(order.gather(-1, by_position), dim=-1, descending=True,
+                                                          stable=True))
             picked = torch.zeros_like(live).scatter(
                 -1, ranked, torch.arange(base.shape[-1]).expand_as(ranked) < first[:, None, None]) & live
-            corrected = (base + self.epsilon) * projected_value_norms(inp.values, inp.output_projection)
+            corrected = (base + self.critical_epsilon) * projected_value_norms(inp.values, inp.output_projection)
             return corrected.masked_fill(picked, FIRST_STAGE)
 
     Critical.__name__ = Critical.__qualname__ = f"Critical{wrapped.__name__}"

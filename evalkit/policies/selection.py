@@ -208,3 +208,22 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, pe
     keep_page = torch.zeros_like(taken).scatter(-1, order, taken)
     keep = keep_page.repeat_interleave(S, dim=-1)[..., :T]
     return keep if per_head else keep[:, None, :]
+
+
+def select_across_layers(scores, positions, seen, caps, sink_tokens: int = 0, recent=None) -> torch.Tensor:
+    """One budget for every layer and KV head of a sequence (KVzip's default): [L, B, H_kv, N] bool.
+
+    scores, positions: [L, B, H_kv, N]; caps, recent: [L, B]. A sequence keeps sum_l caps[l] x H_kv tokens in
+    all: first every protected token (sinks, each layer's recent ones), then the highest scores of any layer
+    and head (ties: lower layer, lower head, earlier slot).
+    """
+    L, B, H, N = scores.shape
+    live = positions >= 0
+    recent = torch.zeros_like(caps) if recent is None else recent
+    protected = live & ((positions < sink_tokens) | (positions >= (seen - recent)[..., None, None]))
+    left = (caps.sum(0) * H - protected.sum((0, 2, 3))).clamp(min=0)  # [B]
+    pool = (live & ~protected).transpose(0, 1).reshape(B, -1)  # [B, L * H * N], layer-major
+    ranked = (-scores.double()).transpose(0, 1).reshape(B, -1).masked_fill(~pool, 0.0)
+    rank = _rank(torch.where(pool, RANKED, ABSENT), ranked)
+    chosen = (pool & (rank < left[:, None])).view(B, L, H, N).transpose(0, 1)
+    return protected | chosen

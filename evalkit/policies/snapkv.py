@@ -13,7 +13,8 @@ class SnapKV(Policy):
 
     The statistic is the probability each slot receives from the last `observation_window`
     queries (summed, averaged over the group's heads), set at prefill. Scores are its 1-D max
-    (or average) pooling of width `kernel_size` over the prefix before the window, so clusters
+    (or average) pooling of width `kernel_size` over the prefix before the window, divided by the
+    window (a mean over its queries, as kvpress's; what a wrapper adding ε to it sees), so clusters
     survive rather than isolated tokens; the window itself is always kept (SnapKV's defaults:
     w=32, k=7, max pooling; kvpress's: `window=64 kernel=5 pooling=avg`). It collects nothing
     while decoding, as published: decoded tokens are protected, never scored as zero.
@@ -48,7 +49,7 @@ class SnapKV(Policy):
             prefix = torch.arange(T, device=by_position.device) < prefix_end
             values = by_position.masked_fill(~prefix, 0.0).reshape(B * H, 1, T)
             out = pool(values, self.kernel_size, stride=1, padding=self.kernel_size // 2).view(B, H, T)
-            return out.masked_fill(~prefix, 0.0)
+            return out.masked_fill(~prefix, 0.0) / self.observation_window
 
         return in_position_space(pooled, inp.attention, inp.positions)
 
