@@ -13,6 +13,9 @@ time (B = 1), greedy, with the model in float64:
   keys and values from the attention function's `key` and `value` arguments (post-RoPE keys),
   the queries before RoPE from each layer's `q_proj` (Expected Attention), the future RoPE
   from the model's own rotary embedding, the output projection from each layer's `o_proj`;
+- DuoAttention's head scores are its input (evalkit's, computed once per model by the test: the calibration
+  itself is held to kvpress's computation in tests/test_duo_attention.py); how many heads stream, which, and
+  what each keeps are derived here;
 - KVzip's context reconstruction is one more forward over the sequence with the reconstruction
   tokens appended (seeing what is held), whose tokens are then dropped again;
 - budgets, protected tokens, scores and selection at the four granularities, the
@@ -53,7 +56,8 @@ COLLECT = {
 NEEDS_STATISTIC = (*COLLECT, "kvzip")
 NEVER_EVICTS = ("full", "quest")
 FAMILIES = ("full", "quest", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "knorm", "random", "streaming_llm",
-            "keydiff", "lagkv", "expected_attention", "kvzip", *(f"{w}_{s}" for w in WRAPPERS for s in WRAPPED))
+            "keydiff", "lagkv", "expected_attention", "kvzip", "duo_attention",
+            *(f"{w}_{s}" for w in WRAPPERS for s in WRAPPED))
 FIRST_STAGE = 2.0 ** 100  # CriticalKV: a first-stage pick's score, above any other and finite in page means
 RECONSTRUCTION_TAIL = 8  # KVzip: a later chunk's reconstruction starts from the previous chunk's last 8 tokens
 
@@ -94,6 +98,10 @@ class Spec:
     first_stage_ratio: float = 0.5  # CriticalKV: share of the budget picked by the scorer alone
     recon_chunk: int = 2048  # KVzip: context tokens per reconstruction forward
     layerwise: bool = False  # KVzip: each layer its own budget (else one budget over layers and heads)
+    # DuoAttention: the model's head scores [layer][KV head] (its input, not re-derived: the calibration is held to
+    # kvpress's computation in tests/test_duo_attention.py); `sinks` and `recent_tokens` are its sink_size and
+    # recent_size
+    head_scores: tuple = ()
 
     @property
     def scorer(self) -> str:
@@ -114,8 +122,9 @@ def published_spec(family: str, granularity: str = "head", **overrides) -> Spec:
     protected on top of any recent tokens; StreamingLLM 4 sinks + recent rest; Quest two dense
     layers, at least 3 pages; kvpress 0.5.5's LagKV (4 sinks, lag 128), Expected Attention (4 sinks,
     512 future positions, covariance and value norm, epsilon 0) and KVzip (4 sinks, chunks of 2048,
-    pooled over layers); KeyDiff none. Ada-KV adds a safeguard of 0.2, CriticalKV epsilon 1e-4 and a
-    first stage of half the budget, with Expected Attention's value norm off (kvpress's advice)."""
+    pooled over layers); DuoAttention's streaming heads 128 sinks + 256 recent; KeyDiff none. Ada-KV adds a
+    safeguard of 0.2, CriticalKV epsilon 1e-4 and a first stage of half the budget, with Expected Attention's value
+    norm off (kvpress's advice)."""
     if family not in FAMILIES:
         raise KeyError(f"the oracle has no rule for policy family {family!r}: add it to tests/oracle.py")
     scorer = scorer_of(family)
@@ -128,6 +137,7 @@ def published_spec(family: str, granularity: str = "head", **overrides) -> Spec:
         "lagkv": dict(sinks=4, lag_size=128),
         "expected_attention": dict(sinks=4, n_future=512, use_covariance=True, use_vnorm=True, epsilon=0.0),
         "kvzip": dict(sinks=4, recon_chunk=2048, layerwise=False),
+        "duo_attention": dict(sinks=128, recent_tokens=256),
     }.get(scorer, {})
     if family == "pyramidkv":
         fields["beta"] = 20.0
@@ -227,6 +237,41 @@ def mean_score(values: list):
     return float32(sum(values) / len(values))
 
 
+def duo_streaming_count(k: int, n: int, w: int, heads: int) -> int:
+    """DuoAttention: s = min(H, ceil(H (n - k) / (n - w))) heads stream, none when n <= w (exact integers)."""
+    if n <= w:
+        return 0
+    s = -(-(heads * (n - k)) // (n - w))  # ceil, exactly
+    return max(0, min(heads, s))
+
+
+def duo_caps(streaming: set, n: int, num_layers: int, spec: Spec, block_size: int) -> list[int]:
+    """DuoAttention's layer caps: w = sinks + recent (at most n) in a layer with a streaming head, n elsewhere; at
+    head_page a cap below one page is one page (as for every policy)."""
+    caps = [min(n, spec.sinks + spec.recent_tokens) if any(l == x for x, _ in streaming) else n
+            for l in range(num_layers)]
+    if spec.granularity == "head_page":
+        caps = [max(cap, min(n, block_size)) for cap in caps]
+    return caps
+
+
+def duo_streaming(head_scores, k: int, n: int, w: int) -> set:
+    """The s lowest-scoring (layer, KV head) pairs of the whole model (ties: lower layer, then lower head)."""
+    pairs = [(float(score), l, h) for l, row in enumerate(head_scores) for h, score in enumerate(row)]
+    assert pairs, "DuoAttention needs the model's head scores (Spec.head_scores)"
+    s = duo_streaming_count(k, n, w, len(pairs))
+    chosen = []
+    for _ in range(s):  # plain selection: the lowest remaining, the first of equals in (layer, head) order
+        best = None
+        for score, l, h in pairs:
+            if (l, h) in chosen:
+                continue
+            if best is None or score < best[0]:
+                best = (score, l, h)
+        chosen.append(best[1:])
+    return set(chosen)
+
+
 # --- keep orders -------------------------------------------------------------------------------
 
 
@@ -309,6 +354,8 @@ class Sequence:
         self.queries: dict = {}  # layer -> ([H_q, T, D] post-RoPE queries, scaling) of the last forward
         self.prerope: dict = {}  # layer -> [T, H_q, D] queries before RoPE (q_proj's output), Expected Attention
         self.moments_end = 0  # Expected Attention: the compressed prompt's tokens fed so far
+        self.streaming: set = set()  # DuoAttention: the (layer, KV head) pairs that stream
+        self.appended = 0  # tokens appended uncompressed after the prompt (DuoAttention's window widens by them)
 
     @property
     def seen(self) -> int:
@@ -636,6 +683,8 @@ class Sequence:
         """Evict each layer down to caps[l] per head; returns the scores used, for messages."""
         if self.spec.scorer == "kvzip" and not self.spec.layerwise and self.spec.granularity == "head":
             return self.compress_pooled(caps)
+        if self.spec.family == "duo_attention":
+            return self.compress_duo(caps)
         used = {}
         for l, cap in enumerate(caps):
             held = [self.held(l, h) for h in range(self.H)]
@@ -675,6 +724,27 @@ class Sequence:
                 if (l, h, p) not in keep:
                     self.evicted[l, h][p] = self.forwards - 1
         return scores
+
+    def compress_duo(self, caps: list[int]) -> dict:
+        """DuoAttention: a retrieval head keeps everything; a streaming head [0, sinks) and [seen - r, seen),
+        r = recent_size + the tokens appended uncompressed after the prompt. At head_page it keeps its pages lying
+        wholly within the sinks, its pages all of whose positions so far are within the r most recent, and its
+        newest page (the one holding seen - 1). As for every policy, a layer whose heads all hold <= its cap
+        (`duo_caps`) is left alone."""
+        spec, seen, S = self.spec, self.seen, self.settings.block_size
+        start = seen - (spec.recent_tokens + self.appended)
+        for l, h in sorted(self.streaming):
+            if all(len(self.held(l, x)) <= caps[l] for x in range(self.H)):
+                continue
+            for p in self.held(l, h):
+                if spec.granularity == "head_page":
+                    page = p // S
+                    keep = (page + 1) * S <= spec.sinks or page * S >= start or page == (seen - 1) // S
+                else:
+                    keep = p < spec.sinks or p >= start
+                if not keep:
+                    self.evicted[l, h][p] = self.forwards - 1
+        return {}
 
     def recent(self, cap: int) -> int:
         spec = self.spec
@@ -752,6 +822,10 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
     k = trace.budget
     trace.evicting = k < n and spec.family not in NEVER_EVICTS
     caps = layer_budgets(spec, k, n, seq.L, settings.block_size) if trace.evicting else None
+    if spec.family == "duo_attention" and trace.evicting:
+        seq.streaming = duo_streaming(spec.head_scores, k, n, spec.sinks + spec.recent_tokens)
+        caps = duo_caps(seq.streaming, n, seq.L, spec, settings.block_size)
+        trace.layer_budgets = list(caps)
     trace.layer_budgets = list(caps or [])
     collect_prefill, collect_decode = COLLECT.get(spec.scorer, (None, None))
     decode_evicts = trace.evicting and settings.decode_eviction
@@ -771,6 +845,7 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
         trace.prefill = seq.kept()
 
         q = len(appended)
+        seq.appended = q
         if spec.family == "quest" and k < n:  # nothing evicted; decode queries read the best pages
             seq.quest_pages = max(spec.min_pages, math.ceil((k + q) / settings.block_size))
         for step in range(max_new_tokens):
