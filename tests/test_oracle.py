@@ -165,16 +165,7 @@ def family_of(name: str) -> str | None:
 _LAGKV_TIES = ("LagKV's scores are exact fractions (rank / lag, (i - sinks) / (n - sinks)): equal means of them (a "
                "token's over heads, a page's over its pairs) tie and go to the earlier position or page, but evalkit "
                "holds the scores in float32 and sums them in float32, so rounding noise decides the tie")
-_DUO_BATCH = ("DuoAttention at head_page: a layer is left alone only when every head of every sequence of the batch "
-              "holds <= its cap (evalkit/loop/compression.py: slots_to_keep's `within` spans the batch), and once one "
-              "sequence is over it every sequence's streaming heads are re-selected, so a sequence within its cap "
-              "loses "
-              "the page that just slid out of its window (here sequence 0, prefill chunk 5, pages [46, 47]): what a "
-              "sequence keeps depends on its batch mates. The oracle, one sequence at a time, leaves the layer alone "
-              "(docs/policies.md: 'Layers whose heads all hold <= their cap are left alone'); harmless for the other "
-              "policies, whose selection within the cap keeps everything")
 KNOWN_DEVIATIONS = {
-    "duo_attention-head_page-sink_size=3,recent_size=5,block_size=2,chunk_size=10-0.3-chunked": _DUO_BATCH,
     "lagkv_head-token-lag_size=6,recent_fraction=0.2,observation_window=3-0.3-qwen2-paged-full-query_aware=0-"
     "decode_eviction=1": _LAGKV_TIES,
     "lagkv_head-page-lag=5,sink_tokens=2,recent_tokens=2-0.6-qwen2-dense-full-query_aware=0-decode_eviction=0":

@@ -101,7 +101,11 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
         else:
             keep = policy.select(scores, positions, state.seen.repeat(len(over)), caps[layer_ids].reshape(-1),
                                  state.settings.block_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
-        for layer_idx, index, rows in zip(layer_ids, indexes, keep.split(len(state.seen))):
+        for layer_idx, index, rows, held in zip(layer_ids, indexes, keep.split(len(state.seen)),
+                                                positions.split(len(state.seen))):
+            if not pooled:  # a sequence whose heads all hold <= their cap is left alone, whatever its batch mates hold
+                within = ((held >= 0).sum(-1) <= caps[layer_idx][:, None]).all(-1)  # [B]
+                rows = torch.where(within[:, None, None], held >= 0, rows)
             chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))
     return chosen
 
