@@ -64,6 +64,13 @@ class Press:
     kvpress_inner: str | None = None
     kvpress_inner_kwargs: dict = field(default_factory=dict)
     evalkit_args: tuple[str, ...] = ()  # further `evalkit run` options, e.g. ("--block-size", "16")
+    # The press's keyword for the removed fraction 1 - keep (DuoAttentionPress: head_compression_ratio, the share of
+    # heads that stream), and the evalkit policy-arg that takes the same number (None: --budget alone says it).
+    kvpress_ratio_kwarg: str = "compression_ratio"
+    ratio_policy_arg: str | None = None
+    # DuoAttentionPress(on_the_fly_scoring=True) calibrates on the hub's kmfoda/booksum: the helper substitutes
+    # evalkit's calibration text (`calibration_texts`), so both tools rank the heads on the same tokens.
+    calibration: bool = False
 
     @property
     def matched(self) -> bool:
@@ -109,6 +116,15 @@ PRESSES: dict[str, Press] = {p.name: p for p in (
     Press("chunkkv_snapkv", "ChunkKVPress", {"chunk_length": 16}, kvpress_inner="SnapKVPress",
           kvpress_inner_kwargs={"window_size": 64, "kernel_size": 5}, policy="snapkv_page",
           policy_args=("window=64", "kernel=5", "pooling=avg"), evalkit_args=("--block-size", "16")),
+    # KVzip: kvpress's defaults (4 sinks, chunks of 2048, layerwise=False: one budget pooled over every layer and
+    # KV head) are kvzip_head's. It runs a reconstruction forward after the prefill; sdpa, not eager (it asserts so).
+    Press("kvzip", "KVzipPress", policy="kvzip_head"),
+    # DuoAttention: a fixed share 1 - keep of the heads stream on both sides (kvpress's head_compression_ratio;
+    # evalkit's policy-arg of that name, its budget then only switching compression on), heads ranked on evalkit's
+    # calibration text on both sides; 128 sinks + 256 recent (kvpress's on-the-fly values, evalkit's defaults).
+    # Not eager (DuoAttentionPress asserts it).
+    Press("duo_attention", "DuoAttentionPress", {"on_the_fly_scoring": True}, policy="duo_attention",
+          kvpress_ratio_kwarg="head_compression_ratio", ratio_policy_arg="head_compression_ratio", calibration=True),
 )}
 DEFAULT_PRESSES = tuple(PRESSES)
 DEFAULT_KEEP = (0.5, 0.2)
@@ -239,6 +255,24 @@ class Cell:
     @property
     def budget(self) -> str:
         return "1.0" if not self.press.compressing else f"{self.keep:g}"
+
+    @property
+    def policy_args(self) -> tuple[str, ...]:
+        """The row's --policy-arg values, with the removed fraction where the policy takes it as an arg."""
+        extra = (f"{self.press.ratio_policy_arg}={self.ratio:g}",) if self.press.ratio_policy_arg else ()
+        return (*self.press.policy_args, *extra)
+
+    @property
+    def kvpress_label(self) -> str:
+        if self.press.kvpress_ratio_kwarg == "compression_ratio":  # the keep column says it
+            return self.press.kvpress_label
+        return f"{self.press.kvpress_label[:-1]}, {self.press.kvpress_ratio_kwarg}={self.ratio:g})" \
+            if self.press.kvpress_label.endswith(")") else \
+            f"{self.press.kvpress_label}({self.press.kvpress_ratio_kwarg}={self.ratio:g})"
+
+    @property
+    def evalkit_label(self) -> str:
+        return " ".join([self.press.policy, *(f"--policy-arg {a}" for a in self.policy_args), *self.press.evalkit_args])
 
 
 def cells(presses: tuple[str, ...], keeps: tuple[float, ...]) -> list[Cell]:
@@ -435,6 +469,33 @@ def get_pipe(eager):
                                 dtype=torch.float32, model_kwargs=kwargs)
     return pipes[eager]
 
+def substitute_calibration(texts):
+    # DuoAttentionPress(on_the_fly_scoring=True) ranks heads on 50 BookSum chapters from the hub
+    # (load_dataset("kmfoda/booksum"), unreachable offline): it gets evalkit's calibration texts instead, all of them
+    # (num_samples = their number), each tokenised by kvpress's own tokenizer to exactly evalkit's ids.
+    import functools
+    import pandas
+    from kvpress.presses import duo_attention_press as duo
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    for t in texts:
+        if tokenizer(t["text"])["input_ids"] != t["ids"]:
+            sys.exit("kvpress's tokenizer does not read the calibration text as evalkit's ids")
+
+    class Calibration:
+        def to_pandas(self):
+            return pandas.DataFrame({"chapter": [t["text"] for t in texts]})
+
+    def load_dataset(name, split=None, **kwargs):
+        assert (name, split) == ("kmfoda/booksum", "train"), (name, split)
+        return Calibration()
+
+    duo.load_dataset = load_dataset
+    if not isinstance(duo.duo_attention_on_the_fly, functools.partial):
+        duo.duo_attention_on_the_fly = functools.partial(duo.duo_attention_on_the_fly, num_samples=len(texts))
+    return duo
+
 def question(record):
     # evalkit's prompt is context + "\n" + question; kvpress joins context and question with nothing.
     return "\n" + record["question"]
@@ -462,12 +523,19 @@ for cell in job["cells"]:
     if not todo:
         continue
     press = None
+    ratio = {cell.get("ratio_kwarg", "compression_ratio"): cell["ratio"]}
+    duo = substitute_calibration(cell["calibration"]) if cell.get("calibration") else None
     if cell["press"] is not None and cell.get("inner"):  # a wrapper: the ratio is the wrapped press's
-        inner = getattr(kvpress, cell["inner"])(compression_ratio=cell["ratio"], **cell["inner_kwargs"])
+        inner = getattr(kvpress, cell["inner"])(**ratio, **cell["inner_kwargs"])
         press = getattr(kvpress, cell["press"])(press=inner, **cell["kwargs"])
     elif cell["press"] is not None:
-        press = getattr(kvpress, cell["press"])(compression_ratio=cell["ratio"], **cell["kwargs"])
+        press = getattr(kvpress, cell["press"])(**ratio, **cell["kwargs"])
     pipe = get_pipe(cell["eager"])
+    if duo is not None:  # the head scores and streaming heads kvpress used, beside the answers
+        scores = duo.duo_attention_on_the_fly(pipe.model)
+        press.post_init_from_model(pipe.model)
+        write(path[:-len(".json")] + ".heads.json",
+              {"scores": scores.tolist(), "streaming": press.streaming_mask.int().tolist()})
     for number, r in enumerate(todo, 1):
         start = time.perf_counter()
         out = pipe(r["context"], question=question(r), answer_prefix=r.get("answer_prefix", ""), press=press,
@@ -481,6 +549,28 @@ for cell in job["cells"]:
 
 def kvpress_cache(out: Path, stem: str, key: str) -> Path:
     return out / "kvpress" / stem / f"{key}.json"
+
+
+def calibration_texts(model_dir: Path) -> list[dict]:
+    """evalkit's DuoAttention calibration (`evalkit.policies.duo_attention.calibration_ids`: the first 1,024 tokens of
+    the first 4 shipped Paul Graham essays, in the model's tokenizer) as text kvpress's `tokenizer(text)` turns into
+    the same ids: each as {"text", "ids"}, the decoded ids, checked to tokenise back to them here (and again in
+    kvpress's virtualenv by the helper)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from evalkit.policies.duo_attention import calibration_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(str(model_dir)))  # what calibration_ids reads
+    texts = []
+    for ids in calibration_ids(model, tokenizer):
+        text = tokenizer.decode(ids)
+        if tokenizer(text)["input_ids"] != ids:
+            raise ParityError("a DuoAttention calibration text does not tokenise back to evalkit's calibration ids")
+        texts.append({"text": text, "ids": ids})
+    return texts
 
 
 def tool_env(threads: int) -> dict:
@@ -504,12 +594,16 @@ def run_kvpress(venv: Path, model_dir: Path, data: Path, out: Path, todo: list[C
             continue  # evalkit-only rows reuse the matched press's answers
         seen.add(cell.kvpress_key)
         job_cells.append({"key": cell.kvpress_key, "press": cell.press.kvpress_class, "ratio": cell.ratio,
+                          "ratio_kwarg": cell.press.kvpress_ratio_kwarg,
                           "kwargs": cell.press.kvpress_kwargs, "eager": cell.press.eager,
                           "inner": cell.press.kvpress_inner, "inner_kwargs": cell.press.kvpress_inner_kwargs,
+                          "calibration": cell.press.calibration,
                           "cache": str(kvpress_cache(out, stem, cell.kvpress_key))})
     tokens = out / "kvpress" / stem / "tokens.json"
     if tokens.exists() and all(Path(c["cache"]).exists() and _complete(Path(c["cache"]), data) for c in job_cells):
         return
+    for job_cell in job_cells:
+        job_cell["calibration"] = calibration_texts(model_dir) if job_cell["calibration"] else None
     job = {"data": str(data), "model": str(model_dir), "cells": job_cells,
            "tokens": None if tokens.exists() else str(tokens)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -543,21 +637,29 @@ def evalkit_features(command: list[str]) -> dict:
     from evalkit.errors import EvalkitError
     from evalkit.policies import POLICIES  # the same installed package the command runs
 
-    names = set()
+    from evalkit.policies import make_policy, policy_args
+
+    names, takes = set(), {}
     for name in {press.policy for press in PRESSES.values()}:
         try:
             POLICIES.canonical(name)
             names.add(name)
+            policy = make_policy(name)
+            takes[name] = set(policy_args(policy)) | set(policy.arg_aliases)
         except EvalkitError:
             pass
-    return {"policy_arg": "--policy-arg" in help_text, "policies": names, "no_baseline": "--no-baseline" in help_text}
+    return {"policy_arg": "--policy-arg" in help_text, "policies": names, "no_baseline": "--no-baseline" in help_text,
+            "policy_args": takes}
 
 
 def missing_feature(cell: Cell, features: dict) -> str | None:
-    if cell.press.policy_args and not features["policy_arg"]:
+    if cell.policy_args and not features["policy_arg"]:
         return "this evalkit has no --policy-arg"
     if cell.press.policy not in features["policies"]:
         return f"this evalkit has no policy {cell.press.policy}"
+    takes = features.get("policy_args", {}).get(cell.press.policy, set())
+    if cell.press.ratio_policy_arg and cell.press.ratio_policy_arg not in takes:
+        return f"this evalkit's {cell.press.policy} has no policy-arg {cell.press.ratio_policy_arg}"
     if cell.press.name == "tova" and "tova_head" not in features["policies"]:
         return "this evalkit's tova is still the per-KV-head variant (no tova_head yet)"
     return None
@@ -598,7 +700,7 @@ def run_evalkit(command: list[str], cell: Cell, data: Path, out: Path, length: i
                       "--no-decode-eviction", "--model", model, "--policy", cell.press.policy,
                       "--budget", cell.budget, "--length", str(length), "--seed", str(seed),
                       "--out", str(folder), "--wandb", "off"]
-    for arg in cell.press.policy_args:
+    for arg in cell.policy_args:
         argv += ["--policy-arg", arg]
     argv += list(cell.press.evalkit_args)
     if no_baseline:  # the cell's own run only (the full cache is the `none` row)
@@ -642,7 +744,7 @@ def collect(out: Path, data: Path, records: list[dict], todo: list[Cell], skippe
         kv_scores = {i: METRICS["string_match_all"](a["answer"], references[i]) for i, a in answers.items()}
         ek_scores, ek_seconds, ek = evalkit_results(evalkit_dir(out, data.stem, cell), cell)
         row = {"press": cell.press.name, "keep": cell.keep, "kvpress_ratio": cell.ratio,
-               "kvpress": cell.press.kvpress_label, "evalkit": f"{cell.press.evalkit_label} --budget {cell.budget}",
+               "kvpress": cell.kvpress_label, "evalkit": f"{cell.evalkit_label} --budget {cell.budget}",
                "matched": cell.press.matched, "note": cell.press.note or skipped.get(cell.key, ""),
                **agreement_row(kv_scores, ek_scores)}
         row["kvpress_seconds"] = (sum(a["seconds"] for a in answers.values()) / len(answers)) if answers else None

@@ -102,6 +102,7 @@ class Spec:
     # kvpress's computation in tests/test_duo_attention.py); `sinks` and `recent_tokens` are its sink_size and
     # recent_size
     head_scores: tuple = ()
+    head_compression_ratio: float = 0.0  # DuoAttention: > 0 streams round(heads x ratio) heads, whatever the budget
 
     @property
     def scorer(self) -> str:
@@ -237,10 +238,13 @@ def mean_score(values: list):
     return float32(sum(values) / len(values))
 
 
-def duo_streaming_count(k: int, n: int, w: int, heads: int) -> int:
-    """DuoAttention: s = min(H, ceil(H (n - k) / (n - w))) heads stream, none when n <= w (exact integers)."""
+def duo_streaming_count(k: int, n: int, w: int, heads: int, ratio: float = 0.0) -> int:
+    """DuoAttention: s = min(H, ceil(H (n - k) / (n - w))) heads stream, none when n <= w (exact integers); with a
+    head compression ratio, round(H x ratio) (kvpress's n_pruned, Python's round) whatever k."""
     if n <= w:
         return 0
+    if ratio > 0:
+        return round(heads * ratio)
     s = -(-(heads * (n - k)) // (n - w))  # ceil, exactly
     return max(0, min(heads, s))
 
@@ -255,11 +259,11 @@ def duo_caps(streaming: set, n: int, num_layers: int, spec: Spec, block_size: in
     return caps
 
 
-def duo_streaming(head_scores, k: int, n: int, w: int) -> set:
+def duo_streaming(head_scores, k: int, n: int, w: int, ratio: float = 0.0) -> set:
     """The s lowest-scoring (layer, KV head) pairs of the whole model (ties: lower layer, then lower head)."""
     pairs = [(float(score), l, h) for l, row in enumerate(head_scores) for h, score in enumerate(row)]
     assert pairs, "DuoAttention needs the model's head scores (Spec.head_scores)"
-    s = duo_streaming_count(k, n, w, len(pairs))
+    s = duo_streaming_count(k, n, w, len(pairs), ratio)
     chosen = []
     for _ in range(s):  # plain selection: the lowest remaining, the first of equals in (layer, head) order
         best = None
@@ -823,7 +827,8 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
     trace.evicting = k < n and spec.family not in NEVER_EVICTS
     caps = layer_budgets(spec, k, n, seq.L, settings.block_size) if trace.evicting else None
     if spec.family == "duo_attention" and trace.evicting:
-        seq.streaming = duo_streaming(spec.head_scores, k, n, spec.sinks + spec.recent_tokens)
+        seq.streaming = duo_streaming(spec.head_scores, k, n, spec.sinks + spec.recent_tokens,
+                                      spec.head_compression_ratio)
         caps = duo_caps(seq.streaming, n, seq.L, spec, settings.block_size)
         trace.layer_budgets = list(caps)
     trace.layer_budgets = list(caps or [])

@@ -63,6 +63,39 @@ def test_the_lowest_scoring_heads_of_the_whole_model_stream_and_set_the_layer_ca
     assert policy.head_capacity(torch.tensor([[8], [64]]), torch.tensor([64])).tolist() == [64]
 
 
+@pytest.mark.parametrize("ratio, expected", [("0.5", 45), ("0.8", 72), ("0.2", 18), ("1", 90), ("0.005", 0),
+                                             ("0.25", 22), ("0.05", 4)])
+def test_head_compression_ratio_fixes_round_heads_times_ratio_whatever_the_budget(ratio, expected):
+    """kvpress's n_pruned = round(L x H_kv x ratio), Python's round (90 x 0.25 = 22.5 -> 22 and 90 x 0.05 = 4.5 -> 4:
+    half to even), for every budget and length, none when the prompt is no longer than sinks + recent."""
+    policy = make_policy("duo_attention", args={"head_compression_ratio": ratio})
+    assert expected == round(90 * float(ratio))
+    tokens = torch.tensor([1, 300, 500, 1000, 1500, 10, 300])
+    lengths = torch.tensor([1000, 1000, 1000, 1001, 2000, 385, 384])
+    assert policy.streaming_heads(tokens, lengths, 90).tolist() == [expected] * 6 + [0]
+    follows = make_policy("duo_attention").streaming_heads(tokens, lengths, 90)  # the default: the budget decides
+    assert follows.tolist() == [90, 90, 74, 1, 28, 90, 0]
+
+
+def test_head_compression_ratio_streams_the_lowest_heads_and_sets_the_caps():
+    policy = small_policy(head_compression_ratio="0.5")  # 2 of the 4 heads, at any budget
+    policy.head_scores = SCORES
+    caps = policy.layer_caps(torch.tensor([63, 8, 1]), torch.tensor([64, 64, 64]), 2)
+    for b in range(3):
+        assert sorted(map(tuple, policy.streaming[b].nonzero().tolist())) == sorted(STREAM_ORDER[:2])
+    assert caps.tolist() == [[8, 8, 8], [8, 8, 8]]  # one streaming head in each layer
+    assert make_policy("duo_attention").head_compression_ratio == 0  # unset: the budget decides
+
+
+@pytest.mark.parametrize("ratio", ["-0.1", "1.5", "nan", "half"])
+def test_a_head_compression_ratio_outside_0_1_is_one_line(ratio):
+    with pytest.raises(EvalkitError) as error:
+        make_policy("duo_attention", args={"head_compression_ratio": ratio})
+    message = str(error.value)
+    assert "head_compression_ratio" in message and "\n" not in message
+    assert ("must be in [0.0, 1.0]" if ratio in ("-0.1", "1.5") else "must be float") in message
+
+
 # --- what the loop keeps --------------------------------------------------------------------------
 
 def _expected(seen: int, window: int, sinks: int = 2) -> set:

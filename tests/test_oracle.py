@@ -117,7 +117,8 @@ ORACLE_ARG = {"window": ("window", int), "observation_window": ("window", int), 
               "scorer_epsilon": ("scorer_epsilon", float),
               "first_stage_ratio": ("first_stage_ratio", float), "chunk_size": ("recon_chunk", int),
               "chunk": ("recon_chunk", int), "layerwise": ("layerwise", lambda text: text == "true"),
-              "sink_size": ("sinks", int), "recent_size": ("recent_tokens", int)}
+              "sink_size": ("sinks", int), "recent_size": ("recent_tokens", int),
+              "head_compression_ratio": ("head_compression_ratio", float)}
 # Hyper-parameters a family refuses to move off their default (its check() says why): no case can vary them.
 UNMOVABLE = {"duo_attention": {"recent_fraction", "observation_window"}}
 
@@ -467,6 +468,13 @@ HYPER_CASES = [
     ("duo_attention", "head_page", {"sink_size": "8", "recent_size": "9"}, 0.6, PAGED_CHUNKED, {"block_size": 8}),
     ("duo_attention", "head", {"sink_size": "2", "recent_size": "1"}, 2, CHUNKED, {"chunk_size": 10}),
     ("duo_attention", "head", {"sink_size": "0", "recent_size": "4"}, 0.1, DECODING, {}),
+    # a fixed share of streaming heads (kvpress's head_compression_ratio) of the 3 x 2 heads, whatever the budget:
+    # 3 where budget 0.9 alone streams 1, and round(1.5) = 2 (half to even, as Python's round) where budget 0.3
+    # alone streams all 6, in kvpress's protocol as the parity row runs it
+    ("duo_attention", "head", {"sink_size": "2", "recent_size": "3", "head_compression_ratio": "0.5"}, 0.9,
+     DECODING, {}),
+    ("duo_attention", "head_page", {"sink_size": "2", "recent_size": "4", "head_compression_ratio": "0.25"}, 0.3,
+     KVPRESS, {"block_size": 2}),
     # scripts/parity_kvpress.py's rows for them: published settings, query-agnostic, no decode eviction
     ("expected_attention_head", "head", {}, 0.5, KVPRESS, {"long": True}),
     ("adakv_expected_attention", "head", {}, 0.2, KVPRESS, {"long": True}),

@@ -109,3 +109,31 @@ def test_finished_run_is_the_cells_own_not_its_baseline(parity, tmp_path):
     assert parity.finished_run(tmp_path, cell).name == "own"
     assert parity.finished_run(tmp_path).name == "base"  # the newest, whatever made it
     assert parity.finished_run(tmp_path, parity.cells(("snapkv",), (0.5,))[0]) is None
+
+
+def test_kvzip_and_duo_attention_rows(parity):
+    presses = parity.PRESSES
+    kvzip = presses["kvzip"]  # kvpress's defaults are kvzip_head's: no policy-arg, no wrapper
+    assert kvzip.kvpress_label == "KVzipPress" and kvzip.policy == "kvzip_head" and not kvzip.policy_args
+    assert not kvzip.eager and not kvzip.calibration and "kvzip" in parity.DEFAULT_PRESSES
+    duo = presses["duo_attention"]  # not eager (DuoAttentionPress asserts it), calibrated on evalkit's text
+    assert duo.matched and not duo.eager and duo.calibration and "duo_attention" in parity.DEFAULT_PRESSES
+    half, fifth = parity.cells(("duo_attention",), (0.5, 0.2))
+    # The removed fraction is kvpress's head_compression_ratio and evalkit's policy-arg of that name; the budget is
+    # the keep fraction (below the prompt, so evalkit compresses).
+    assert half.kvpress_label == "DuoAttentionPress(on_the_fly_scoring=True, head_compression_ratio=0.5)"
+    assert fifth.policy_args == ("head_compression_ratio=0.8",) and fifth.budget == "0.2"
+    assert fifth.evalkit_label == "duo_attention --policy-arg head_compression_ratio=0.8"
+    # Other rows' cell labels are their press's.
+    snap = parity.cells(("snapkv",), (0.2,))[0]
+    assert snap.kvpress_label == presses["snapkv"].kvpress_label
+    assert snap.evalkit_label == presses["snapkv"].evalkit_label
+
+
+def test_the_helper_compiles_and_features_gate_the_ratio_arg(parity):
+    compile(parity.KVPRESS_HELPER, "kvpress_helper.py", "exec")
+    cell = parity.cells(("duo_attention",), (0.5,))[0]
+    features = {"policy_arg": True, "policies": {"duo_attention"}, "policy_args": {"duo_attention": {"sink_size"}}}
+    assert "has no policy-arg head_compression_ratio" in parity.missing_feature(cell, features)
+    features["policy_args"]["duo_attention"].add("head_compression_ratio")
+    assert parity.missing_feature(cell, features) is None

@@ -36,19 +36,28 @@ class DuoAttention(Policy):
     (layer, KV head) pairs of the whole model stream. How many stream follows the budget (`streaming_heads`),
     per sequence; `layer_caps` records the batch's plan, `score` marks each head's slots with its role
     (1 retrieval, 0 streaming) and `select` keeps, per head, everything or the window.
+
+    `head_compression_ratio` (kvpress's parameter; 0, the default, follows the budget) fixes the count instead:
+    round(L x H_kv x ratio) heads stream (Python's round, as kvpress), whatever the budget and the prompt's
+    length, in every sequence the budget compresses (budget below the prompt; a prompt no longer than sinks +
+    recent is still left whole). The budget then only switches compression on: the mean kept per head is
+    what the heads keep, above or below it.
     """
 
     granularity: Granularity = Granularity.HEAD
     sink_tokens: int = arg(128, 0, PROMPT)
     recent_tokens: int = arg(256, 1, PROMPT)
+    head_compression_ratio: float = arg(0.0, 0.0, 1.0)  # > 0: round(L x H_kv x ratio) heads stream, any budget
     description = "retrieval heads keep everything, streaming heads 128 sinks + 256 recent; heads ranked on the fly"
     scorer = "head role from an on-the-fly attention-span score"
     paper = "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming Heads (arXiv:2410.10819)"
     kvpress = "DuoAttentionPress(on_the_fly_scoring=True)"
     differs = (f"heads scored on the first {CALIBRATION_TOKENS} tokens of {CALIBRATION_TEXTS} Paul Graham essays "
                "shipped with evalkit (kvpress: 50 whole BookSum chapters from the hub); the budget sets how many heads "
-               "stream, per sequence: the fewest that keep its mean (kvpress: head_compression_ratio); streaming "
-               "heads stay a sliding window while decoding (kvpress compresses the prompt only)")
+               "stream, per sequence: the fewest that keep its mean (kvpress: head_compression_ratio, a fixed share; "
+               "policy-arg head_compression_ratio does that: round(L x H_kv x ratio) heads, ties in the head scores "
+               "to the lower layer and head where kvpress's numpy argsort leaves them unspecified); streaming heads "
+               "stay a sliding window while decoding (kvpress compresses the prompt only)")
     arg_aliases = {"sink_size": "sink_tokens", "recent_size": "recent_tokens"}
     cannot_run_at = {
         Granularity.TOKEN: "DuoAttention gives each KV head its own role; one token set for all heads would undo it",
@@ -81,8 +90,11 @@ class DuoAttention(Policy):
         """[B] how many of the model's `heads` (layers x KV heads) stream: the fewest that bring the mean kept per
         head down to `tokens` [B], from `lengths` [B]; all of them when even that is more; none when a prompt is
         no longer than sinks + recent (kvpress compresses nothing then). kvpress's own accounting: streaming a
-        share s of the heads removes s x (1 - (sinks + recent) / n) of the cache."""
+        share s of the heads removes s x (1 - (sinks + recent) / n) of the cache. With `head_compression_ratio`,
+        round(heads x ratio) whatever `tokens` (kvpress's n_pruned), still none for such a short prompt."""
         dropped = (lengths - self.sink_tokens - self.recent_tokens).clamp(min=0)  # by one streaming head
+        if self.head_compression_ratio > 0:
+            return torch.where(dropped > 0, round(heads * self.head_compression_ratio), 0)
         excess = (lengths - tokens).clamp(min=0) * heads  # to drop, over all heads
         count = torch.where(dropped > 0, (excess + dropped - 1) // dropped.clamp(min=1), 0)
         return count.clamp(max=heads)
