@@ -364,7 +364,7 @@ PUBLISHED_DEFAULTS = {
                                use_vnorm=True, epsilon=0.0),
     # DuoAttention (arXiv:2410.10819; kvpress 0.5.5's DuoAttentionPress(on_the_fly_scoring=True)): streaming heads
     # keep sink_size 128 + recent_size 256
-    "duo_attention": dict(_NO_PROTECTION, sink_tokens=128, recent_tokens=256),
+    "duo_attention": dict(_NO_PROTECTION, sink_tokens=128, recent_tokens=256, head_compression_ratio=0.0),
     # KVzip (arXiv:2505.23416; kvpress 0.5.5's KVzipPress): n_sink 4, chunk_size 2048, the budget pooled over
     # layers and heads (layerwise False)
     "kvzip": dict(_NO_PROTECTION, sink_tokens=4, chunk_size=2048, layerwise=False),
