@@ -51,6 +51,7 @@ class ForwardPlan:
     # Query moments to add this forward's queries to, with the RoPE (cos, sin) [B, T, D] of its positions.
     moments: "tuple[list[QueryMoments], torch.Tensor, torch.Tensor] | None" = None
     captured: dict | None = None  # layer -> (queries, scaling): a reconstruction forward's queries (KVzip)
+    decode_slots: list | None = None  # a static decode step (`loop.static_decode`): each layer's `DecodeSlots`
 
 
 @dataclass
@@ -311,6 +312,9 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan.record is not None:
         return _recorded_prompt_attention(module.layer_idx, query, key, value, plan, scaling, sliding_window), None
     layer = plan.cache.layers[module.layer_idx]
+    if plan.decode_slots is not None:
+        return _static_decode_attention(layer, plan.decode_slots[module.layer_idx], query, key, value, plan, scaling,
+                                        sliding_window), None
     if query.shape[2] > 1 and not bool(layer.live_counts().any()):
         return _prompt_attention(layer, query, key, value, plan, scaling, sliding_window), None
     if plan.attend_filter is None and use_triton(plan.kernels, query):
@@ -387,6 +391,47 @@ def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
                                 block_size, scaling, lse, window)
         store_statistic(layer, layer.slot_index(), plan.collect, stats, plan.valid)
     return out
+
+
+def _static_decode_attention(layer, slots, query, key, value, plan: ForwardPlan, scaling, sliding_window):
+    """One new token per sequence over a frozen layer's slots (`loop.static_decode`): the same attention and
+    statistic as the eager path, with every shape fixed by `slots` and nothing read back to the host."""
+    layer.append_static(slots, key, value, plan.positions)
+    if use_triton(plan.kernels, query):
+        from evalkit.kernels.attention_stats import attention_stats
+        from evalkit.kernels.paged_attention import paged_attention
+
+        window = sliding_window or 0
+        out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, slots.table, slots.head_tokens,
+                                   slots.block_size, scaling, window)
+        if plan.collect:
+            stats = attention_stats(query, plan.positions, plan.valid, layer.k, layer.pos, slots.table,
+                                    slots.head_tokens, slots.block_size, scaling, lse, window)
+            _store_static_statistic(layer, slots.index, plan.collect, stats)
+        return out
+    B, H_q, _, D = query.shape
+    H_kv = slots.index.shape[1]
+    k_pos = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
+    k, v = layer.gather_kv(layer.k, slots.index), layer.gather_kv(layer.v, slots.index)
+    allowed = _visible(plan.positions[:, None, :], k_pos, sliding_window)[:, :, None, :]  # [B, H_kv, 1, N]
+    if not plan.collect:
+        return decode_attention(query, k, v, scaling, allowed)
+    # The statistic's probabilities as `attention_reference` computes them (a group's query heads as rows); the
+    # output from them for "attention", from SDPA beside them for "window", as there.
+    scores = torch.matmul(query.view(B, H_kv, H_q // H_kv, D), k.transpose(-1, -2)).mul_(scaling)
+    probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
+    _store_static_statistic(layer, slots.index, plan.collect, probs.float().mean(dim=2))
+    if plan.collect == "window":
+        return decode_attention(query, k, v, scaling, allowed)
+    return torch.matmul(probs, v).view(B, 1, H_q, D)
+
+
+def _store_static_statistic(layer, index, collect: str, stats) -> None:
+    """`store_statistic` for one query per sequence, every row valid: H2O's sums accumulate, a window replaces."""
+    if collect == "attention":
+        layer.add_stats(index, stats)
+    else:
+        layer.stats.index_copy_(0, index.reshape(-1), stats.reshape(-1).float())
 
 
 def _no_mask(*args, **kwargs):

@@ -7,6 +7,7 @@ positions (most recent first), then score (highest first, ties to the earlier po
 `budget` are kept, protected tokens included; pages are filled greedily, skipping pages that do not fit.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES
 from evalkit.policies import tokens_for
-from evalkit.policies.selection import select_adaptive, keep_mask
+from evalkit.policies.selection import Granularity, keep_mask, select_adaptive
 
 
 def t(rows, dtype=torch.float32):
@@ -845,3 +846,24 @@ def test_head_eviction_of_at_most_one_token_per_head_follows_the_rule_book(case,
     # Decode-time eviction: every head holds at most one token over its budget (keep_mask's fast path).
     case.budget = [max(1, max(live_count(case, b, h) for h in range(case.H)) - spare) for b in range(case.B)]
     assert case.kept("head") == reference_keep(case, "head")
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.integers(0, 1), st.integers(0, 5))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_static_selection_keeps_what_the_general_one_keeps(granularity, case, over, room):
+    """`keep_mask(span=...)`, the static decode step's (loop/static_decode.py: every shape fixed by the span,
+    nothing read back to the host), against `keep_mask` itself: at page granularities on any case (a fixed
+    S + 1 rounds of the greedy fill), at head and token where no head (token: no sequence) holds more than
+    `over` <= 1 tokens over its cap, what a decode step leaves."""
+    if granularity in (Granularity.HEAD, Granularity.TOKEN):
+        per_row = [max(live_count(case, b, h) for h in range(case.H)) if granularity == Granularity.HEAD
+                   else live_count(case, b) for b in range(case.B)]
+        case = dataclasses.replace(case, budget=[max(1, n - over) for n in per_row])
+    scores, positions = case.tensors()
+    seen, budget = case.args()
+    recent = torch.tensor(case.recent)
+    general = keep_mask(scores, positions, seen, budget, granularity, case.block, case.sinks, recent)
+    static = keep_mask(scores, positions, seen, budget, granularity, case.block, case.sinks, recent,
+                       span=max(case.seen) + room)
+    assert kept_positions(static, positions) == kept_positions(general, positions)

@@ -122,8 +122,20 @@ class PagedLayer(SlotLayer):
         self.tables = [runs[b * self.kv_heads:(b + 1) * self.kv_heads] for b in range(self.batch)]
         self._index = None
 
+    def owned_slots(self) -> torch.Tensor:
+        pages = [[len(table) for table in row] for row in self.tables]
+        return torch.tensor(pages, device=self.pos.device) * self.block_size
+
+    def _pages_for(self, missing: torch.Tensor) -> int:
+        return int(((missing + self.block_size - 1) // self.block_size).sum())
+
+    def _free_storage(self) -> int:
+        return self.pool.num_free
+
     def _release_empty(self, emptied: torch.Tensor | None = None, one_lost_of: int | None = None) -> None:
         S = self.block_size
+        if self.frozen:
+            return  # a frozen head keeps its pages (`freeze`)
         if one_lost_of is not None and S > 1 and one_lost_of % S != 1:
             return  # every page of those n slots holds two or more of them (the last n % S, or S): none empties
         if emptied is not None and bool((self.pos.view(-1, S)[emptied // S] >= 0).any(1).all()):
@@ -179,6 +191,12 @@ class DenseLayer(SlotLayer):
 
     def _prefix_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         return rows[:self.num_real_slots].view(*self._index.shape, *rows.shape[1:])[:, :, :n]
+
+    def owned_slots(self) -> torch.Tensor:
+        return torch.full((self.batch, self.kv_heads), self.capacity, device=self.pos.device)
+
+    def _pages_for(self, missing: torch.Tensor) -> int:
+        return int(missing.sum())  # a dense head cannot grow: any missing slot is too many
 
     def _reserve(self, free_needed: torch.Tensor) -> None:
         if bool((free_needed > 0).any()):

@@ -79,13 +79,7 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
             bool(((view.pos >= 0).sum(-1).cpu() <= caps[layer_idx][:, None]).all())  # all_live: each head holds N
         if within and not pooled:
             continue
-        scores = policy.score(ScoreInput(
-            view.k if policy.reads_keys else None, view.pos, view.stats, layer_idx, state.settings.seed,
-            state.stat_end, view.key_norms if policy.reads_key_norms else None,
-            values=view.v if policy.reads_values else None, caps=caps[layer_idx],
-            queries=state.moments[0] if policy.reads_query_moments else None,
-            rope=rope_of(state.model) if policy.reads_query_moments else None,
-            output_projection=output_projection(state.model, layer_idx) if policy.reads_output_projection else None))
+        scores = policy.score(score_input(state, view, layer_idx, caps[layer_idx], state.stat_end))
         over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
     chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
     if over:
@@ -108,6 +102,19 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
                 rows = torch.where(within[:, None, None], held >= 0, rows)
             chosen[layer_idx] = (index, rows[..., :index.shape[-1]].to(index.device))
     return chosen
+
+
+def score_input(state: LoopState, view, layer_idx: int, caps: torch.Tensor, stat_end: torch.Tensor,
+                span: int | None = None) -> ScoreInput:
+    """What the policy's scorer reads of one layer's `view` (a `SlotView`): only what it asks for is gathered."""
+    policy = state.policy
+    return ScoreInput(
+        view.k if policy.reads_keys else None, view.pos, view.stats, layer_idx, state.settings.seed, stat_end,
+        view.key_norms if policy.reads_key_norms else None, values=view.v if policy.reads_values else None, caps=caps,
+        queries=state.moments[0] if policy.reads_query_moments else None,
+        rope=rope_of(state.model) if policy.reads_query_moments else None,
+        output_projection=output_projection(state.model, layer_idx) if policy.reads_output_projection else None,
+        span=span)
 
 
 def _within_pooled(layers, caps: torch.Tensor) -> bool:

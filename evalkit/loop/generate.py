@@ -15,6 +15,7 @@ from evalkit.attention import evalkit_attention
 from evalkit.loop.compression import Budgets, budgets_for, compress
 from evalkit.loop.reconstruction import longest_reconstruction, reconstruct, reconstruction_prompts
 from evalkit.loop.shared_prefill import SharedPrefill
+from evalkit.loop.static_decode import StaticStep, static_step
 from evalkit.loop.state import (NO_LIMIT, Generation, GenerationSettings, LoopState, Observer, Request, forward,
                                 new_state, split_prompts)
 from evalkit.policies.query_moments import QueryMoments
@@ -86,6 +87,7 @@ class Decoding:
         self.outputs: list[list[int]] = [[] for _ in requests]
         self.texts: list[str | None] = [None] * len(requests)
         self.generator = torch.Generator().manual_seed(state.settings.seed)
+        self.static: StaticStep | None = None  # the decode step with fixed shapes (`loop.static_decode`), if used
 
     def next_tokens(self) -> list[list[int]] | None:
         """The next token to feed each sequence, or None once every sequence has finished (EOS, a stop
@@ -107,6 +109,14 @@ class Decoding:
         if all(t is not None for t in self.texts):
             return None
         return [[token] for token in chosen]
+
+    def feed(self, tokens: list[list[int]]) -> None:
+        """Feed `next_tokens`' tokens and take the next logits: through the static step when there is one."""
+        if self.static is not None:
+            self.logits = self.static(tokens)
+        else:
+            logits, _ = forward(self.state, tokens)
+            self.advance(logits)
 
     def advance(self, logits: torch.Tensor) -> None:
         """Take the logits of the tokens just fed; evict (decode eviction)."""
@@ -135,10 +145,10 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
     prefill of the same requests shared with other branches (full prefill only)."""
     with evalkit_attention(model):
         run = start(model, tokenizer, requests, settings, observe, shared)
+        run.static = static_step(run.state, run.caps, run.evict, max(r.max_new_tokens for r in requests))
         begun = time.perf_counter()
         while (tokens := run.next_tokens()) is not None:
-            logits, _ = forward(run.state, tokens)
-            run.advance(logits)
+            run.feed(tokens)
     return run.generations(time.perf_counter() - begun)
 
 

@@ -33,6 +33,7 @@ class GenerationSettings:
     seed: int = 0
     pool_pages: int | None = None  # per layer; default: what the batch needs at its peak
     kernels: str = "auto"  # attention: "auto" (Triton on CUDA), "triton" or "torch"
+    decode_step: str = "auto"  # "graph", "static" (`loop.static_decode`), "eager"; "auto": "graph" on CUDA, else "eager"
 
     @classmethod
     def from_options(cls, options, policy: Policy, **overrides) -> GenerationSettings:

@@ -35,6 +35,7 @@ class ScoreInput:
     queries: QueryMoments | None = None  # the prompt queries' moments; None unless `reads_query_moments`
     rope: Callable | None = None  # positions [B, n] -> (cos, sin) [B, n, D] of the model's RoPE (with `queries`)
     output_projection: torch.Tensor | None = None  # [hidden, H_q * D] o_proj weight; None unless `reads_output_projection`
+    span: int | None = None  # a static decode step's bound on the positions (`loop.static_decode`); None: their max + 1
 
 
 PROMPT = "the prompt"  # a hyper-parameter's upper bound: at most the run's prompt tokens (`check_fits`)
@@ -88,6 +89,7 @@ class Policy:
     reads_output_projection: ClassVar[bool] = False  # True: `score` reads the layer's o_proj weight
     reconstructs: ClassVar[bool] = False  # True: the loop runs a context-reconstruction forward (KVzip) after the prefill
     selects_across_layers: ClassVar[bool] = False  # True: `select_layers` chooses every layer's slots at once
+    not_static: ClassVar[str] = ""  # why its decode cannot run as a static step (`loop.static_decode`), if it cannot
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
     arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
     arg_choices: ClassVar[dict[str, tuple[str, ...]]] = {}  # field name -> allowed string values
@@ -119,9 +121,10 @@ class Policy:
         is sized for): the widest layer's cap, unless some heads keep more (DuoAttention's retrieval heads)."""
         return caps.amax(0)
 
-    def select(self, scores, positions, seen, caps, block_size, recent) -> torch.Tensor:
-        """[B, H_kv, N] bool: the slots to keep (the shared selection at this policy's granularity)."""
-        return keep_mask(scores, positions, seen, caps, self.granularity, block_size, self.sink_tokens, recent)
+    def select(self, scores, positions, seen, caps, block_size, recent, span: int | None = None) -> torch.Tensor:
+        """[B, H_kv, N] bool: the slots to keep (the shared selection at this policy's granularity; `span`:
+        a static decode step's, `keep_mask`)."""
+        return keep_mask(scores, positions, seen, caps, self.granularity, block_size, self.sink_tokens, recent, span)
 
     def attended_slots(self, layer, query, keys, positions, read_tokens, block_size) -> torch.Tensor | None:
         """For policies that restrict what a decode query reads (Quest): [B, H_kv, N] bool, else None."""
@@ -282,14 +285,15 @@ def _parse_value(policy: Policy, key: str, name: str, text: str, kind: type):
     return text
 
 
-def in_position_space(fn, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def in_position_space(fn, values: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:
     """Apply `fn` to per-slot `values` laid out by position (`[B, H, T]`, absent tokens 0); back per slot.
+    T = `span` when given (`ScoreInput.span`: no read back to the host), else the last position + 1.
 
     For scorers that look at neighbouring positions (pooling), whatever the storage order.
     """
     B, H, _ = values.shape
     live = positions >= 0
-    T = int(positions.max()) + 1
+    T = int(positions.max()) + 1 if span is None else span
     col = torch.where(live, positions, T)
     by_position = torch.zeros(B, H, T + 1, device=values.device).scatter(2, col, values.float().masked_fill(~live, 0))[..., :T]
     return torch.cat([fn(by_position), torch.zeros(B, H, 1, device=values.device)], dim=2).gather(2, col)

@@ -26,6 +26,7 @@ class LagKV(Policy):
     kvpress = "LagKVPress"
     reads_keys = reads_values = True
     arg_aliases = {"lag": "lag_size"}
+    not_static = "LagKV partitions each head's tokens by their count, read on the host head by head"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, H, N = inp.positions.shape

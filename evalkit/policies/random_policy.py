@@ -12,6 +12,7 @@ class RandomPolicy(Policy):
     description = "keeps random tokens: the floor any scorer must beat"
     scorer = "random priority"
     kvpress = "RandomPress"
+    not_static = "its priorities are drawn on the host's generator as positions grow"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, H, _ = inp.positions.shape

@@ -10,6 +10,7 @@ position), until the budget is spent — protected tokens count against it.
 
 from __future__ import annotations
 
+import itertools
 from enum import StrEnum
 
 import torch
@@ -41,31 +42,50 @@ def _rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(-1, order, steps)
 
 
-def _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent) -> torch.Tensor | None:
+def _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent, static: bool = False) -> torch.Tensor | None:
     """`head` selection when no head holds more than one token over its budget (decode-time eviction),
     else None: the token ranked last in the keep order leaves. Worked out on the slots themselves, with
-    a few reductions instead of the position-space sorts."""
+    a few reductions instead of the position-space sorts. `static`: the caller guarantees that bound, and
+    nothing is read back to the host (`loop.static_decode`)."""
     live = positions >= 0
     excess = live.sum(-1) - caps[:, None]  # [B, H]
-    if int(excess.max()) > 1:
+    if not static and int(excess.max()) > 1:
         return None
     over = (excess > 0)[..., None]  # [B, H, 1] heads that lose a token
     recent = torch.zeros_like(seen) if recent is None else recent
     ranked = live & (positions >= sink_tokens) & (positions < (seen - recent)[:, None, None])
-    if bool((ranked.any(-1, keepdim=True) | ~over).all()):
-        # The usual case: every head that loses a token holds an unprotected one, and the lowest score leaves.
-        score = scores.float().masked_fill(~ranked, float("inf"))
-        last = ranked & (score == score.amin(-1, keepdim=True))
-    else:  # some head holds only protected tokens: the whole keep order decides
+    has_ranked = ranked.any(-1, keepdim=True)
+    # The usual case: every head that loses a token holds an unprotected one, and the lowest score leaves.
+    score = scores.float().masked_fill(~ranked, float("inf"))
+    last = ranked & (score == score.amin(-1, keepdim=True))
+    if static or not bool((has_ranked | ~over).all()):  # a head holding only protected tokens: the keep order decides
         sink = live & (positions < sink_tokens)
         protected = live & (positions >= (seen - recent)[:, None, None])
-        tier, secondary = _keep_order(scores.float(), live, sink, protected, positions)
-        tier = tier.masked_fill(~live, -1)
-        last = live & (tier == tier.amax(-1, keepdim=True))
-        secondary = secondary.masked_fill(~last, NEG_INF)
-        last &= secondary == secondary.amax(-1, keepdim=True)
+        last = torch.where(has_ranked, last, _last_in_keep_order(scores.float(), live, sink, protected, positions))
     last &= positions == torch.where(last, positions, -1).amax(-1, keepdim=True)  # ties: the later position
     return live & ~(last & over)
+
+
+def _last_in_keep_order(scores, present, sink, protected, index) -> torch.Tensor:
+    """[..., T] bool: the units ranked last in the keep order (before the tie on `index`), by reductions."""
+    tier, secondary = _keep_order(scores, present, sink, protected, index)
+    tier = tier.masked_fill(~present, -1)
+    last = present & (tier == tier.amax(-1, keepdim=True))
+    secondary = secondary.masked_fill(~last, NEG_INF)
+    return last & (secondary == secondary.amax(-1, keepdim=True))
+
+
+def _drop_one_token(pos_scores, present, seen, caps, sink, protected) -> torch.Tensor:
+    """`token` selection in position space when no sequence holds more than one token over its budget:
+    [B, 1, T] bool, the tokens kept (the last in the keep order leaves)."""
+    B, H, T = pos_scores.shape
+    token_present = present.any(1)  # [B, T]
+    token_score = pos_scores.masked_fill(~present, 0).sum(1) / present.sum(1).clamp(min=1)
+    position = torch.arange(T, device=present.device).expand(B, T)
+    last = _last_in_keep_order(token_score, token_present, sink, protected, position)
+    last &= position == torch.where(last, position, -1).amax(-1, keepdim=True)
+    over = token_present.sum(-1, keepdim=True) > caps[:, None]  # [B, 1]
+    return (token_present & ~(last & over))[:, None, :]
 
 
 def _keep_order(scores, present, sink, protected, index):
@@ -77,15 +97,18 @@ def _keep_order(scores, present, sink, protected, index):
     return tier, secondary.masked_fill(~present, 0.0)
 
 
-def _position_space(scores, positions, seen, sink_tokens, recent):
-    """Scores laid out by position: (scores [B, H, T], present [B, H, T], sink, protected [B, T], col, live)."""
+def _position_space(scores, positions, seen, sink_tokens, recent, span: int | None = None):
+    """Scores laid out by position: (scores [B, H, T], present [B, H, T], sink, protected [B, T], col, live).
+    T = `span` when given (a bound on the positions, fixed for a static decode step), else the most seen."""
     B, H, _ = scores.shape
-    T = int(seen.max())
+    device = scores.device
+    T = int(seen.max()) if span is None else span
     live = positions >= 0
     col = torch.where(live, positions, T)  # empty slots land in a spare column
-    pos_scores = torch.full((B, H, T + 1), NEG_INF).scatter(2, col, scores.float().masked_fill(~live, NEG_INF))
-    present = torch.zeros(B, H, T + 1, dtype=torch.bool).scatter(2, col, live)
-    t = torch.arange(T)
+    pos_scores = torch.full((B, H, T + 1), NEG_INF, device=device).scatter(
+        2, col, scores.float().masked_fill(~live, NEG_INF))
+    present = torch.zeros(B, H, T + 1, dtype=torch.bool, device=device).scatter(2, col, live)
+    t = torch.arange(T, device=device)
     recent = torch.zeros_like(seen) if recent is None else recent
     sink = (t < sink_tokens).expand(B, T)
     protected = sink | (t >= (seen - recent)[:, None])  # [B, T]
@@ -93,7 +116,7 @@ def _position_space(scores, positions, seen, sink_tokens, recent):
 
 
 def _to_slots(keep: torch.Tensor, col: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    keep = torch.cat([keep, torch.zeros(*keep.shape[:2], 1, dtype=torch.bool)], dim=2)
+    keep = torch.cat([keep, torch.zeros(*keep.shape[:2], 1, dtype=torch.bool, device=keep.device)], dim=2)
     return keep.gather(2, col) & live
 
 
@@ -106,16 +129,21 @@ def keep_mask(
     block_size: int = 16,
     sink_tokens: int = 0,
     recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept (within the budget)
+    span: int | None = None,  # static decode (`loop.static_decode`): positions < span, at most one token over the cap
 ) -> torch.Tensor:
-    """[B, H_kv, N] bool: the live slots to keep."""
+    """[B, H_kv, N] bool: the live slots to keep. With `span`, nothing is read back to the host and every
+    shape is fixed by `span`: the caller guarantees no head holds more than one token over its cap."""
     if granularity == Granularity.HEAD:
-        keep = _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent)
+        keep = _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent, static=span is not None)
         if keep is not None:
             return keep
-    pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
+    pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent,
+                                                                      span)
     B, H, T = pos_scores.shape
-    position = torch.arange(T).expand(B, H, T)
-    if granularity == Granularity.HEAD:
+    position = torch.arange(T, device=scores.device).expand(B, H, T)
+    if granularity == Granularity.TOKEN and span is not None:
+        keep = present & _drop_one_token(pos_scores, present, seen, caps, sink, protected)
+    elif granularity == Granularity.HEAD:
         tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
         keep = present & (_rank(tier, secondary) < caps[:, None, None])
     elif granularity == Granularity.TOKEN:
@@ -125,7 +153,8 @@ def keep_mask(
         keep = present & (_rank(tier, secondary) < caps[:, None])[:, None, :]
     elif granularity in PAGE_GRANULARITIES:
         keep = present & _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size,
-                                     per_head=granularity == Granularity.HEAD_PAGE)
+                                     per_head=granularity == Granularity.HEAD_PAGE,
+                                     rounds=None if span is None else block_size + 1)
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
     return _to_slots(keep, col, live)
@@ -141,7 +170,7 @@ def select_adaptive(scores, positions, seen, caps, alpha_safeguard: float = 0.2,
     """
     pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
     B, H, T = pos_scores.shape
-    tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T).expand(B, H, T))
+    tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T, device=scores.device).expand(B, H, T))
     n_protected = (present & protected[:, None]).sum(-1)  # [B, H]
     head_cap = caps[:, None]
     floor = torch.ceil(caps.double() * alpha_safeguard).long()[:, None]
@@ -155,10 +184,12 @@ def select_adaptive(scores, positions, seen, caps, alpha_safeguard: float = 0.2,
     return _to_slots(forced | chosen, col, live)
 
 
-def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, per_head: bool) -> torch.Tensor:
+def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, per_head: bool,
+                rounds: int | None = None) -> torch.Tensor:
     """Whole pages of `block_size` consecutive positions: [B, 1, T] shared by all heads (`page`) or
     [B, H, T] per head (`head_page`). Greedy fill in the keep order: take each page whose tokens
-    still fit in the budget, skip the others."""
+    still fit in the budget, skip the others. `rounds`: run the fill exactly that many rounds, never asking
+    the host whether a page is left (each round rules out at least one page size, so S + 1 rounds suffice)."""
     B, H, T = pos_scores.shape
     S = block_size
     P = -(-T // S)
@@ -185,7 +216,7 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, pe
     page_protected = (held & protected_p).any(-1)
     # The page being filled is never evicted: the next token of the sequence goes into it.
     filling = torch.where(seen % S != 0, (seen - 1) // S, -1)  # [B]
-    page = torch.arange(P)
+    page = torch.arange(P, device=pos_scores.device)
     page_protected |= (page == filling[:, None]).view(B, *(1,) * (page_score.dim() - 2), P) & page_present
 
     page_index = page.expand_as(page_score)
@@ -195,7 +226,7 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, pe
     remaining = caps.view(B, *(1,) * (count.dim() - 1)).clone()
     candidate = count > 0
     taken = torch.zeros_like(candidate)
-    while True:
+    for _ in range(rounds) if rounds is not None else itertools.count():
         # Candidates in order whose running total still fits form a prefix; the first that does not fit
         # is skipped, and so is every later page at least as large, since the room only shrinks.
         running = torch.where(candidate, count, 0).cumsum(-1)
@@ -203,7 +234,7 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, pe
         taken |= fits
         remaining = remaining - torch.where(fits, count, 0).sum(-1, keepdim=True)
         candidate &= ~fits & (count <= remaining)
-        if not bool(candidate.any()):
+        if rounds is None and not bool(candidate.any()):
             break
     keep_page = torch.zeros_like(taken).scatter(-1, order, taken)
     keep = keep_page.repeat_interleave(S, dim=-1)[..., :T]
