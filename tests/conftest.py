@@ -187,6 +187,12 @@ _SLOW = {
     "test_reliability": {"test_unknown_lm_eval_tasks_are_refused_before_the_model_loads": ALL_CASES},  # the same
     "test_cli": {"test_console_script_reports_bad_input_without_traceback": ALL_CASES},  # a Python that imports torch
     "test_bench": {"test_peak_memory_sees_a_freed_block_and_resets": ALL_CASES},  # so does its second process
+    "test_bench_gpu_loop": {  # scripts/bench_gpu_loop.py --tiny: ten rows, each its own process, and the batch fit
+        name: ALL_CASES for name in ("test_every_row_is_there_with_finite_positive_numbers",
+                                     "test_full_cache_generates_what_hf_generate_generates",
+                                     "test_kv_held_at_the_budget_is_below_the_full_cache",
+                                     "test_the_batch_fit_is_what_the_built_cache_held",
+                                     "test_targets_are_printed_met_or_not")},
     "test_report": {"test_hostile_page_runs_no_injected_script_in_chromium": ALL_CASES},  # Chromium starts
     "test_cache": {"test_random_operations_match_the_model_on_both_layouts": ALL_CASES},  # 400 Hypothesis examples
     "test_cli_fuzz": {  # Hypothesis: hundreds of fuzzed run folders, each read by a report

@@ -33,12 +33,12 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from evalkit.bench.isolation import Clock, PeakMemory
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
-from evalkit.models import load_model
+from evalkit.models import load_model, resolve_device, resolve_dtype
 from evalkit.policies import make_policy
 from evalkit.tasks.haystack import haystack_text
 
@@ -114,6 +114,25 @@ def bench_prompts(tokenizer, prompt_tokens: int, batch: int) -> list[Prompt]:
     text = haystack_text(context_tokens + _ROW_OFFSET * batch)
     haystack = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
     return [Prompt(haystack[b * _ROW_OFFSET:b * _ROW_OFFSET + context_tokens], question) for b in range(batch)]
+
+
+def random_prompts(vocab_size: int, prompt_tokens: int, batch: int, seed: int) -> list[Prompt]:
+    """`batch` prompts of `prompt_tokens` random token ids (seeded), for a model with random weights: no text,
+    no tokenizer; no question (the whole prompt is compressed, as query-aware runs do)."""
+    ids = torch.randint(0, vocab_size, (batch, prompt_tokens), generator=torch.Generator().manual_seed(seed))
+    return [Prompt(row.tolist(), []) for row in ids]
+
+
+def random_model(config, dtype: str = "auto", device: str = "auto", seed: int = 0):
+    """A causal LM of `config`'s architecture with random weights, built on its device (an 8B model initialises
+    there in seconds, not on the host) with SDPA attention. Seeded: every process on the same device builds the
+    same weights, so cells measured in different processes run the same model."""
+    target = resolve_device(device)
+    torch.manual_seed(seed)
+    with torch.device(target):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, target),
+                                                 attn_implementation="sdpa")
+    return model.to(target).eval()  # a no-op where the context placed everything
 
 
 @contextlib.contextmanager
@@ -211,13 +230,20 @@ def _hf_once(model, prompts: list[Prompt], settings: BenchSettings, clock: Clock
 
 # --- one cell, in its own process ---------------------------------------------------------------
 
-def measure_cell(settings: BenchSettings, cell: BenchCell) -> dict:
+def measure_cell(settings: BenchSettings, cell: BenchCell, config=None) -> dict:
     """Warm up, time `settings.repeats` generations of `cell`, then one more for its peak memory; medians,
-    peaks and bytes. Run it isolated: it changes how the process allocates."""
-    model, tokenizer = load_model(settings.model, settings.dtype, settings.device)
-    clock, memory = Clock(model.device), PeakMemory(model.device)
+    peaks and bytes. Run it isolated: it changes how the process allocates.
+
+    `config`: a transformers config to build the model from (`random_model`: random weights seeded by
+    `settings.seed`, prompts of random ids) instead of loading `settings.model`, which then only names it."""
     prompt_tokens = cell.length - settings.new_tokens
-    prompts = bench_prompts(tokenizer, prompt_tokens, settings.batch)
+    if config is None:
+        model, tokenizer = load_model(settings.model, settings.dtype, settings.device)
+        prompts = bench_prompts(tokenizer, prompt_tokens, settings.batch)
+    else:
+        model = random_model(config, settings.dtype, settings.device, settings.seed)
+        prompts = random_prompts(config.vocab_size, prompt_tokens, settings.batch, settings.seed)
+    clock, memory = Clock(model.device), PeakMemory(model.device)
     short = [Prompt(p.context_ids[-max(1, WARMUP_PROMPT_TOKENS - len(p.question_ids)):], p.question_ids)
              for p in prompts]
 
