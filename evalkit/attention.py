@@ -169,27 +169,79 @@ def statistic_queries(collect: str, window: int, q_pos, q_valid) -> torch.Tensor
     return q_valid if collect == "attention" else window_queries(q_pos, q_valid, window)
 
 
-def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, counted=()):
+def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, counted=(), kernels="auto"):
     """A layer's first tokens attending to themselves (a fresh prefill), straight from the forward's K/V.
 
     q: [B, H_q, T, D]; k, v: [B, H_kv, T, D], the new tokens in order, padding on the left (q_valid).
     Returns out [B, T, H_q, D] and, for every [B, T] bool mask in `counted`, the statistic
-    [B, H_kv, T] float32 of `attention_statistics`. The output never depends on which statistics are
-    asked for, nor on the storage, so a prefill shared by many branches equals each branch's own.
+    [B, H_kv, T] float32 of `attention_statistics`, by the route `prefill_route` picks. The output never
+    depends on which statistics are asked for, nor on the storage, so a prefill shared by many branches
+    equals each branch's own.
     """
     B, H_kv, T = k.shape[0], k.shape[1], k.shape[2]
     k_pos = q_pos.masked_fill(~q_valid, -1)[:, None, :].expand(B, H_kv, T)
     if not _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):  # padded rows, a window shorter than T
         out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
         return out, attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window, counted, keys_in_order=True)
-    if q.device.type != "cpu":
+    route = prefill_route(q, kernels)
+    if route == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2), attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window, counted,
                                                          keys_in_order=True)
-    # CPU: the flash kernel SDPA itself runs, which also returns each row's log-sum-exp [B, H_q, T]. Given
-    # K/V with fewer heads it maps query head h to KV head h // G itself: no repeated copy, the same bits.
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)[:2]
+    out, lse = causal_attention_with_lse(q, k, v, scaling)
+    if route == "flash+kernel":
+        return out.transpose(1, 2), [_kernel_statistics(q, q_pos, mask, k, scaling, lse) for mask in counted]
     return out.transpose(1, 2), causal_statistics(q, k, lse, scaling, counted)
+
+
+PREFILL_ROUTES = ("flash+tiles", "flash+kernel", "sdpa")
+
+
+def prefill_route(q, kernels: str) -> str:
+    """How a fresh, unpadded prompt's attention and statistics are computed; it depends on the device and
+    `kernels` only, never on the statistics asked for, so a shared prefill's output is each branch's own
+    (`evalkit bench`'s components time the routes, docs/storage-and-kernels.md):
+    - "flash+kernel": flash attention, which also returns each row's log-sum-exp, then the Triton
+      statistics pass (kernels/attention_stats.py) over the forward's K: O(n) extra memory. Wherever the
+      kernels run (CUDA by default; `kernels="triton"` anywhere).
+    - "flash+tiles": on a CPU, the same flash attention, then `causal_statistics`' tiles in torch.
+    - "sdpa": torch on CUDA (`kernels="torch"`): SDPA, then `attention_statistics` in query blocks.
+    Never the chunk kernel (kernels/paged_attention.py with T = n): FlashAttention is several times faster
+    (docs/benchmarks.md)."""
+    if use_triton(kernels, q):
+        return "flash+kernel"
+    return "flash+tiles" if q.device.type == "cpu" else "sdpa"
+
+
+def causal_attention_with_lse(q, k, v, scaling):
+    """Causal attention of an unpadded prompt with each row's log-sum-exp: out [B, H_q, T, D], lse [B, H_q, T]
+    float32 (natural log). On a CPU the flash kernel SDPA itself runs (given K/V with fewer heads it maps
+    query head h to KV head h // G: no repeated copy, the same bits as SDPA); on CUDA the flash kernel in half
+    precision and the memory-efficient one otherwise, each given K and V repeated per query head."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scaling)[:2]
+        return out, lse
+    G = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(G, dim=1) if G > 1 else x for x in (k, v))
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scaling)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
+                                                                          scale=scaling)[:2]
+    return out, lse[..., :q.shape[2]].float()
+
+
+def _kernel_statistics(q, q_pos, counted, k, scaling, lse):
+    """`attention_statistics` of an unpadded causal prompt by the Triton statistics pass, reading the forward's
+    K [B, H_kv, T, D] as one page of T slots per (sequence, KV head): [B, H_kv, T] float32."""
+    from evalkit.kernels.attention_stats import attention_stats
+
+    B, H_kv, T, D = k.shape
+    slots = k.reshape(B * H_kv * T, D)
+    slot_pos = q_pos[:, None, :].expand(B, H_kv, T).reshape(-1)
+    table = torch.arange(B * H_kv, dtype=torch.int32, device=k.device).view(B, H_kv, 1)
+    head_tokens = torch.full((B, H_kv), T, dtype=torch.int32, device=k.device)
+    return attention_stats(q, q_pos, counted, slots, slot_pos, table, head_tokens, T, scaling, lse)
 
 
 def causal_statistics(q, k, lse, scaling, counted=()):
@@ -350,7 +402,8 @@ def _prompt_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
     """A layer that holds nothing yet: the prompt attends to itself from the forward's own K/V (on every
     device: SDPA, then the statistic in a second pass), and is then stored."""
     wanted = [statistic_queries(plan.collect, plan.window, plan.positions, plan.valid)] if plan.collect else []
-    out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted)
+    out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted,
+                                  plan.kernels)
     slots = layer.append(key, value, plan.positions, plan.valid)
     if plan.collect is not None:
         store_statistic(layer, slots, plan.collect, stats[0], plan.valid)
@@ -361,7 +414,8 @@ def _recorded_prompt_attention(layer_idx, query, key, value, plan: ForwardPlan, 
     """A shared prefill: the same computation as `_prompt_attention`, every statistic asked for, kept in the record."""
     record = plan.record
     wanted = [statistic_queries(collect, window, plan.positions, plan.valid) for collect, window in record.statistics]
-    out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted)
+    out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted,
+                                  plan.kernels)
     record.layers[layer_idx] = (key, value, dict(zip(record.statistics, stats)))
     return out
 

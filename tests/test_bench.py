@@ -143,9 +143,9 @@ def test_components_have_every_point_and_fit(bench_run):
     components = result["components"]
     assert components["sizes"] == list(LENGTHS)
     prefill = components["prefill_statistics"]
-    assert {(p["collect"], p["n"]) for p in prefill["points"]} == {
-        (c, n) for c in ("none", "attention", "window") for n in LENGTHS}
-    assert set(prefill["fits"]) == {"none", "attention", "window"}
+    labels = {f"{c} (flash+tiles)" for c in ("none", "attention", "window")}  # the CPU's one prefill route
+    assert {(p["collect"], p["n"]) for p in prefill["points"]} == {(c, n) for c in labels for n in LENGTHS}
+    assert set(prefill["fits"]) == labels
     for fits in prefill["fits"].values():
         assert fits["time"]["exponent"] == pytest.approx(math.log2(fits["time"]["per_doubling"]))
     assert {(p["policy"], p["n"]) for p in components["selection"]["points"]} == {
@@ -275,8 +275,10 @@ def test_decode_attention_reads_the_kept_pages_only():
 
 
 def test_prefill_statistics_and_selection_points():
-    point = prefill_statistics_point(SHAPE, 64, "attention")
-    assert point["collect"] == "attention" and point["n"] == 64 and point["seconds"] > 0
+    point = prefill_statistics_point(SHAPE, 64, "attention", "flash+tiles")
+    assert point["collect"] == "attention (flash+tiles)" and point["n"] == 64 and point["seconds"] > 0
+    with pytest.raises(ValueError, match="does not run on cpu"):
+        prefill_statistics_point(SHAPE, 64, "attention", "sdpa")
     assert point["peak_rss_bytes"] >= point["base_rss_bytes"]
     chosen = selection_point(SHAPE, "h2o_head", 100, 0.25)
     assert chosen["kept"] == 25 and chosen["seconds"] > 0
@@ -285,7 +287,8 @@ def test_prefill_statistics_and_selection_points():
 def test_summarise_groups_points_and_fits_them():
     sizes = [64, 128]
     results = {
-        "prefill_statistics": [{"n": n, "collect": c, "seconds": n * n * 1e-6, "working_bytes": n * 100}
+        "prefill_statistics": [{"n": n, "collect": f"{c} (flash+tiles)", "route": "flash+tiles",
+                                "seconds": n * n * 1e-6, "working_bytes": n * 100}
                                for c in ("none", "attention") for n in sizes],
         "selection": [{"policy": "h2o_head", "n": n, "budget": 0.2, "kept": n // 5, "seconds": n * 1e-6}
                       for n in sizes],
@@ -293,13 +296,14 @@ def test_summarise_groups_points_and_fits_them():
                              {"n": 128, "kept": 64, "seconds": 4e-4}],
     }
     summary = summarise(results, sizes)
-    assert summary["prefill_statistics"]["fits"]["attention"]["time"]["exponent"] == pytest.approx(2.0)
-    assert summary["prefill_statistics"]["fits"]["attention"]["working_memory"]["exponent"] == pytest.approx(1.0)
+    fits = summary["prefill_statistics"]["fits"]["attention (flash+tiles)"]
+    assert fits["time"]["exponent"] == pytest.approx(2.0)
+    assert fits["working_memory"]["exponent"] == pytest.approx(1.0)
     assert summary["selection"]["fits"]["h2o_head"]["exponent"] == pytest.approx(1.0)
     assert summary["decode_attention"]["fits"]["over_length_at_fixed_kept"]["exponent"] == pytest.approx(0.0)
     assert summary["decode_attention"]["fits"]["fixed_kept"] == 13
     assert summary["prefill_statistics"]["overhead_over_plain"] == [
-        {"n": n, "collect": "attention", "ratio": pytest.approx(1.0)} for n in sizes]
+        {"n": n, "collect": "attention (flash+tiles)", "ratio": pytest.approx(1.0)} for n in sizes]
 
 
 def _peaks_around_a_freed_block(mib: int) -> tuple[int, int]:

@@ -55,6 +55,32 @@ def test_kernels_keep_the_same_tokens_and_statistics_as_torch(policy, layout):
         assert torch.allclose(stats_t, stats_k, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
+def test_a_fresh_prompt_takes_its_statistics_from_the_kernel_beside_flash_attention(heads):
+    """Where the kernels run, a fresh prompt's statistics come from the Triton pass over the forward's own K with
+    flash attention's log-sum-exp ("flash+kernel"), never from the chunk kernel: the same output bits as the
+    torch route, and the same statistics (H2O's every query, SnapKV's window of 5) within the kernels' bound."""
+    from evalkit.attention import prefill_route, prompt_attention, window_queries
+
+    H_q, H_kv = heads
+    g = torch.Generator().manual_seed(H_q)
+    B, T, D = 2, 37, 16
+    q, k, v = (torch.randn(B, h, T, D, generator=g).to(DEVICE) for h in (H_q, H_kv, H_kv))
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    valid = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    counted = [valid, window_queries(pos, valid, 5)]
+    assert prefill_route(q, "triton") == "flash+kernel"
+    assert prefill_route(q, "torch") == ("flash+tiles" if DEVICE == "cpu" else "sdpa")
+    out_torch, stats_torch = prompt_attention(q, pos, valid, k, v, 0.25, None, counted, "torch")
+    out_kernel, stats_kernel = prompt_attention(q, pos, valid, k, v, 0.25, None, counted, "triton")
+    if DEVICE == "cpu":
+        assert torch.equal(out_kernel, out_torch)
+    else:
+        torch.testing.assert_close(out_kernel, out_torch, rtol=1e-3, atol=1e-5)
+    for kernel, reference in zip(stats_kernel, stats_torch):
+        torch.testing.assert_close(kernel, reference, rtol=1e-3, atol=1e-5)
+
+
 def test_kernel_mode_is_checked(monkeypatch):
     cpu = torch.zeros(1)
     assert not use_triton("torch", cpu) and not use_triton("auto", cpu)

@@ -12,7 +12,7 @@ from evalkit.cache import PoolExhausted
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.loop.generate import start
-from evalkit.loop.static_decode import StaticStep, refusal, static_step
+from evalkit.loop.static_decode import StaticStep, policy_refusal, static_step
 from evalkit.policies import PAGE_GRANULARITIES, make_policy
 from evalkit.policies.base import POLICIES
 
@@ -33,18 +33,7 @@ def model():
     return tiny_model()
 
 
-def _static_names() -> list[str]:
-    model = tiny_model()
-    names = []
-    with torch.inference_mode(), evalkit_attention(model):
-        for name in POLICIES.names():
-            state = start(model, None, requests()[:1], GenerationSettings(policy(name), budget=0.4, block_size=4)).state
-            if refusal(state) is None:
-                names.append(name)
-    return names
-
-
-STATIC = _static_names()
+STATIC = [name for name in POLICIES.names() if policy_refusal(policy(name)) is None]
 
 
 # A read of a tensor's values by the host: each of these waits for the device (a sync) on a GPU.

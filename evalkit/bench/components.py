@@ -1,6 +1,7 @@
 """How each piece of the loop scales: microbenchmarks of one layer's work, with fitted exponents.
 
-- prefill attention with statistics (`attention_reference`, collect None / "attention" / "window")
+- a fresh prompt's attention with statistics (`prompt_attention`, collect None / "attention" / "window"), by
+  each prefill route the device has (`prefill_route`: the loop's own, and on CUDA the torch one it passes over)
   over n prompt tokens: time and working memory. Exact attention does n²/2 query-key products, so
   its time grows ~n² whatever the statistics; what must stay linear is the memory (the statistics
   are [B, H_kv, n] and queries go in blocks, never an n × n matrix) and the statistics' overhead
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.attention import attention_reference
+from evalkit.attention import attention_reference, prefill_route, prompt_attention, statistic_queries
 from evalkit.bench.isolation import Clock, PeakMemory
 from evalkit.cache import PagedLayer, model_kv_shape
 from evalkit.cache.storage import key_norms_of
@@ -92,23 +93,34 @@ def _qkv(shape: HeadShape, queries: int, keys: int, generator: torch.Generator):
             randn(1, shape.kv_heads, keys, shape.head_dim))
 
 
-def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None) -> dict:
-    """One layer's prefill attention over n tokens, gathering `collect`; seconds and working memory."""
+def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None, route: str) -> dict:
+    """One layer's prefill attention over n fresh tokens, gathering `collect`, by prefill `route`
+    (`evalkit.attention.prefill_route`: the loop's choice on this device, or the one it passes over); seconds
+    and working memory."""
     device = torch.device(shape.device)
     q, k, v = _qkv(shape, n, n, torch.Generator().manual_seed(n))
     positions = torch.arange(n, device=device)[None]  # [1, n]
     valid = torch.ones(1, n, dtype=torch.bool, device=device)
-    k_pos = positions[:, None, :].expand(1, shape.kv_heads, n)
+    counted = [statistic_queries(collect, SNAPKV_WINDOW, positions, valid)] if collect else []
+    kernels = "triton" if route == "flash+kernel" else "torch"
+    if prefill_route(q, kernels) != route:
+        raise ValueError(f"prefill route {route!r} does not run on {device.type}")
     scaling = shape.head_dim ** -0.5
 
     def call():
-        attention_reference(q, positions, valid, k, v, k_pos, scaling, collect=collect, window=SNAPKV_WINDOW)
+        prompt_attention(q, positions, valid, k, v, scaling, None, counted, kernels)
 
     seconds = time_call(call, Clock(device), min_repeats=1 if n >= 4096 else 3)
     memory = PeakMemory(device)
     memory.reset()
     call()  # memory only, after the timing (see PeakMemory)
-    return {"n": n, "collect": collect or "none", "seconds": seconds, **memory.read()}
+    return {"n": n, "collect": f"{collect or 'none'} ({route})", "route": route, "seconds": seconds, **memory.read()}
+
+
+def prefill_routes(device: torch.device) -> tuple[str, ...]:
+    """The prefill routes the components time on `device`: the loop's own first (`prefill_route`), then on CUDA
+    the torch route it passes over, so the rule's reason is in the same table."""
+    return ("flash+kernel", "sdpa") if device.type == "cuda" else ("flash+tiles",)
 
 
 def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -> dict:
@@ -170,11 +182,13 @@ def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int)
 
 # --- the whole set ------------------------------------------------------------------------------
 
-def measurement_points(sizes: list[int], policies: list[str], budget: float, block_size: int) -> list[tuple]:
-    """(component, function, args) for every point, given the prompt sizes and the evicting policies."""
+def measurement_points(sizes: list[int], policies: list[str], budget: float, block_size: int,
+                       routes: tuple[str, ...] = ("flash+tiles",)) -> list[tuple]:
+    """(component, function, args) for every point, given the prompt sizes, the evicting policies and the prefill
+    routes to time (`prefill_routes`)."""
     sizes = sorted(set(sizes))
-    points = [("prefill_statistics", prefill_statistics_point, (n, collect))
-              for collect in PREFILL_COLLECTS for n in sizes]
+    points = [("prefill_statistics", prefill_statistics_point, (n, collect, route))
+              for route in routes for collect in PREFILL_COLLECTS for n in sizes]
     points += [("selection", selection_point, (policy, n, budget)) for policy in policies for n in sizes]
     fixed_kept = _fixed_kept(sizes)
     points += [("decode_attention", decode_attention_point, (n, fixed_kept, block_size)) for n in sizes]
@@ -202,10 +216,10 @@ def summarise(results: dict[str, list[dict]], sizes: list[int]) -> dict:
             "working_memory": fit_power([p["n"] for p in mine], [p["working_bytes"] for p in mine]),
             "time_per_query": fit_power([p["n"] for p in mine], [p["seconds"] / p["n"] for p in mine]),
         }
-    plain = {p["n"]: p["seconds"] for p in prefill if p["collect"] == "none"}
+    plain = {(p["n"], p["route"]): p["seconds"] for p in prefill if p["collect"].startswith("none")}
     summary["prefill_statistics"]["overhead_over_plain"] = [
-        {"n": p["n"], "collect": p["collect"], "ratio": p["seconds"] / plain[p["n"]]}
-        for p in prefill if p["collect"] != "none" and p["n"] in plain]
+        {"n": p["n"], "collect": p["collect"], "ratio": p["seconds"] / plain[p["n"], p["route"]]}
+        for p in prefill if not p["collect"].startswith("none") and (p["n"], p["route"]) in plain]
     for policy in {p["policy"] for p in selection}:
         mine = [p for p in selection if p["policy"] == policy]
         summary["selection"]["fits"][policy] = fit_power([p["n"] for p in mine], [p["seconds"] for p in mine])

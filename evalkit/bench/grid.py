@@ -37,7 +37,8 @@ def measure(settings: BenchSettings, grid: BenchGrid, with_components: bool, out
     cells = generations.grid_cells(grid.policies, grid.budgets, grid.layouts, grid.lengths, grid.granularities)
     evicting = [p for p in grid.policies if make_policy(p).evicts]
     shape = components.HeadShape.of(grid.model_config, grid.torch_dtype, grid.torch_device)
-    points = (components.measurement_points(grid.lengths, evicting, grid.budgets[0], settings.block_size)
+    points = (components.measurement_points(grid.lengths, evicting, grid.budgets[0], settings.block_size,
+                                            components.prefill_routes(grid.torch_device))
               if with_components else [])
 
     previous = _previous(json_path, asdict(settings), fresh)

@@ -36,11 +36,15 @@ WARMUP_STEPS = 1  # eager steps before the capture (Triton's compilation, cuBLAS
 
 def refusal(state: LoopState) -> str | None:
     """Why this generation cannot decode with the static step (None: it can)."""
-    settings, policy = state.settings, state.policy
-    if settings.temperature > 0:
+    if state.settings.temperature > 0:
         return "sampling draws from a generator on the host"
     if state.cache is None or state.record is not None:
         return "a shared prefill's branches decode together (loop/joint_decode.py)"
+    return policy_refusal(state.policy)
+
+
+def policy_refusal(policy: Policy) -> str | None:
+    """Why `policy` cannot decode with the static step (None: it can)."""
     if policy.restricts_reads:
         return f"{policy.name} chooses the pages each query reads, a host-side step"
     if policy.selects_across_layers or type(policy).select is not Policy.select:
