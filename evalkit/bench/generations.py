@@ -12,7 +12,8 @@ is kept in the raw repeats for comparison). One warm-up generation on a short pr
 `repeats` timed ones; medians reported.
 
 Memory. The peak resident set of a long-lived process never goes down, so each cell gets its own
-process, and memory is read in one more generation after the timed ones. Before it, the process
+process, and on a CPU memory is read in one more generation after the timed ones (on CUDA the timed
+ones give the device's peak, below). Before it, the process
 switches glibc to exact allocation (every block of 1 MiB or more its own mapping, returned to the
 kernel when freed: with glibc's default, adaptive threshold, freed blocks linger in the heap, and
 the same generation peaks at different heights in two processes; exact allocation gives the same peak
@@ -231,8 +232,9 @@ def _hf_once(model, prompts: list[Prompt], settings: BenchSettings, clock: Clock
 # --- one cell, in its own process ---------------------------------------------------------------
 
 def measure_cell(settings: BenchSettings, cell: BenchCell, config=None) -> dict:
-    """Warm up, time `settings.repeats` generations of `cell`, then one more for its peak memory; medians,
-    peaks and bytes. Run it isolated: it changes how the process allocates.
+    """Warm up, time `settings.repeats` generations of `cell`, then on a CPU one more for its peak memory (on
+    CUDA the timed ones give it: the device counts its peak itself); medians, peaks and bytes. Run it
+    isolated: it changes how the process allocates.
 
     `config`: a transformers config to build the model from (`random_model`: random weights seeded by
     `settings.seed`, prompts of random ids) instead of loading `settings.model`, which then only names it."""
@@ -254,9 +256,13 @@ def measure_cell(settings: BenchSettings, cell: BenchCell, config=None) -> dict:
 
     with eos_disabled(model):
         once(short)  # warm-up: first calls pay for thread pools, kernels, lazy imports and weight pages
-        runs = [once(prompts) for _ in range(settings.repeats)]
-        memory.reset()
-        once(prompts)  # memory only: exact allocation slows it down
+        if model.device.type == "cuda":  # the device counts its own peak: read over the timed generations
+            memory.reset()
+            runs = [once(prompts) for _ in range(settings.repeats)]
+        else:
+            runs = [once(prompts) for _ in range(settings.repeats)]
+            memory.reset()
+            once(prompts)  # memory only: exact allocation slows it down
     return summarise(cell, runs, memory.read(), str(model.device), torch.get_num_threads())
 
 
