@@ -683,8 +683,21 @@ def _made_by(run: Path, cell: Cell) -> bool:
         config = json.loads((run / "config.json").read_text()).get("config", {})
     except (OSError, ValueError):
         return False
-    return (config.get("policy") == cell.press.policy
+    return (_canonical(config.get("policy")) == _canonical(cell.press.policy)
             and abs(float(config.get("budget", -1)) - float(cell.budget)) < 1e-9)
+
+
+def _canonical(name):
+    """The name evalkit stores for a policy (a run of `tova` records `tova_token`); the name itself when unknown."""
+    try:
+        from evalkit.errors import EvalkitError
+        from evalkit.policies import POLICIES
+    except ImportError:
+        return name
+    try:
+        return POLICIES.canonical(name)
+    except (EvalkitError, TypeError):
+        return name
 
 
 def run_evalkit(command: list[str], cell: Cell, data: Path, out: Path, length: int, seed: int,

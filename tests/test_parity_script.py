@@ -137,3 +137,15 @@ def test_the_helper_compiles_and_features_gate_the_ratio_arg(parity):
     assert "has no policy-arg head_compression_ratio" in parity.missing_feature(cell, features)
     features["policy_args"]["duo_attention"].add("head_compression_ratio")
     assert parity.missing_feature(cell, features) is None
+
+
+def test_finished_run_knows_an_alias_by_its_canonical_name(parity, tmp_path):
+    # `evalkit run --policy tova` records the canonical name, tova_token: the tova cell must still find its run.
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"config": {"policy": "tova_token", "budget": 0.5}}))
+    (run / "metrics.json").write_text("{}")
+    assert parity.finished_run(tmp_path, parity.cells(("tova",), (0.5,))[0]).name == "run"
+    assert parity.finished_run(tmp_path, parity.cells(("tova_head",), (0.5,))[0]) is None
