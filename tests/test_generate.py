@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from conftest import SHORT_PROMPT_ARGS, tiny_model
+from conftest import SHORT_PROMPT_ARGS, TINY_WINDOW, tiny_model
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.policies import POLICIES, make_policy
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 NEW = 12
 
 
@@ -155,6 +155,61 @@ def test_page_granularity_evicts_only_whole_pages():
             for page in range(lengths[b] // block):
                 members = set(range(page * block, (page + 1) * block))
                 assert members <= kept or not (members & kept)
+
+
+def held_positions(cache):
+    """[layer][b][h] -> sorted kept positions."""
+    return [[[sorted(p for p in row if p >= 0) for row in pos] for pos in layer.read().pos.tolist()]
+            for layer in cache.layers]
+
+
+# (policy, budget, settings): nothing evicted, a budget above the window (its layers left to the window), one below
+SLIDING_CASES = [("full", 1.0, {}), ("full", 0.1, dict(decode_eviction=False, query_aware=False)),
+                 ("h2o_head", 0.5, dict(prefill="chunked", chunk_size=8)), ("h2o_head", 0.1, dict(layout="dense")),
+                 ("snapkv_head_page", 0.1, {}), ("streaming_llm", 0.1, dict(sliding_layers="window"))]
+
+
+@pytest.mark.parametrize("policy, budget, settings", SLIDING_CASES)
+def test_a_sliding_layer_holds_only_its_window_for_every_policy(policy, budget, settings):
+    """Gemma 3's layer 0 slides (window W = 8), layer 1 is global. After every compression (each prefill chunk,
+    each decode step, with or without decode eviction) and after the prefill, the sliding layer holds no position
+    a later query cannot see (p <= seen - W) and at most W - 1 tokens per head; with the full cache exactly the
+    last W - 1, as transformers' own cache. The global layer is the policy's alone: everything under `full`."""
+    model = tiny_model("gemma3")
+    batch = prompts((40, 25, 5))
+    snapshots = []
+    gens = run(model, batch, policy, budget, block_size=4, **settings,
+               observe=lambda event, cache: snapshots.append((event, held_positions(cache))))
+    assert any(len(batch[b]) > TINY_WINDOW for b in range(len(batch)))
+    checked = 0
+    for event, (sliding, global_layer) in snapshots:
+        if event == "forward":  # within a forward the new tokens are there: the drop comes right after it
+            continue
+        for b, heads in enumerate(sliding):
+            seen = max(max(h, default=-1) for h in global_layer[b] + heads) + 1  # these policies keep the newest
+            for held in heads:
+                assert len(held) <= TINY_WINDOW - 1 and all(p > seen - TINY_WINDOW for p in held), (event, b, held)
+                whole_window = math.ceil(budget * len(batch[b])) >= TINY_WINDOW - 1  # the policy does not act here
+                if policy == "full" or settings.get("sliding_layers") == "window" or whole_window:
+                    assert held == list(range(max(0, seen - TINY_WINDOW + 1), seen)), (event, b, held)
+            if policy == "full":
+                assert all(held == list(range(seen)) for held in global_layer[b]), (event, b)
+            checked += 1
+    assert checked > len(batch) * NEW
+    if policy == "full":
+        assert [g.token_ids for g in gens] == [hf_greedy(model, p) for p in batch]
+
+
+def test_full_cache_bytes_count_a_sliding_layer_s_window_only():
+    """KV held / full: the full cache holds min(n, W - 1) tokens in a sliding layer, n in a global one."""
+    model = tiny_model("gemma3")
+    batch = prompts((40, 5))
+    token_bytes = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
+    for policy, budget in (("full", 1.0), ("h2o_head", 0.1)):
+        gens = run(model, batch, policy, budget, block_size=1)
+        assert [g.bytes_full for g in gens] == [(7 + 40) * token_bytes, (5 + 5) * token_bytes]
+    full = run(model, batch, "full", 1.0, block_size=1)
+    assert [g.bytes_held for g in full] == [g.bytes_full for g in full]  # a page of one token: held = full
 
 
 def test_h2o_statistic_is_the_column_sum_of_attention_probabilities():

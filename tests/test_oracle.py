@@ -239,8 +239,7 @@ def one_thread():
 def model(arch: str):
     from transformers import AutoModelForCausalLM
 
-    config = type(tiny_config(arch))(**{**tiny_config(arch).to_dict(), "num_hidden_layers": LAYERS,
-                                        "layer_types": None})
+    config = tiny_config(arch, layers=LAYERS)
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(config).double().eval()
     m.generation_config.eos_token_id = None  # EOS unreachable: every sequence runs all its steps
@@ -275,7 +274,8 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, bloc
     policy = make_policy(name, granularity, args)
     settings = GenerationSettings(policy, budget=budget, layout=env["layout"], block_size=block_size,
                                   prefill=env["prefill"], chunk_size=chunk_size, query_aware=env["query_aware"],
-                                  decode_eviction=env["decode_eviction"], seed=SEED)
+                                  decode_eviction=env["decode_eviction"], seed=SEED,
+                                  sliding_layers=env.get("sliding_layers", "budget"))
     events = []
     out = generate(model(env["arch"]), None, [Request(c, q, new_tokens) for c, q in requests], settings,
                    observe=lambda event, cache: events.append((event, _snapshot(cache))))
@@ -313,7 +313,7 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
         overrides["head_scores"] = tuple(tuple(float(x) for x in row) for row in scores.tolist())
     spec = published_spec(family, granularity, **overrides)
     settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
-                        SEED)
+                        SEED, env.get("sliding_layers", "budget"))
     tokens, chunks, prefill, steps, events = run_evalkit(name, None if own_granularity else granularity, args,
                                                          budget, env, new_tokens, requests, block_size, chunk_size)
     sizes = "" if (block_size, chunk_size) == (BLOCK, CHUNK) else f" block={block_size} chunk={chunk_size}"
@@ -321,7 +321,8 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
             f"args={args or 'published'} budget={budget}{sizes} "
             f"[{env['arch']}, {env['layout']}, prefill={env['prefill']}, "
             f"{'query-aware' if env['query_aware'] else 'query-agnostic'}, "
-            f"decode eviction {'on' if env['decode_eviction'] else 'off'}]")
+            f"decode eviction {'on' if env['decode_eviction'] else 'off'}"
+            f"{', sliding layers: ' + env['sliding_layers'] if 'sliding_layers' in env else ''}]")
     m = model(env["arch"])
     for b, (context, question) in enumerate(requests):
         trace = run_oracle(m, spec, settings, context, question, new_tokens)
@@ -542,6 +543,40 @@ def test_every_name_and_alias_runs_at_its_published_granularity(name, granularit
         assert _identity(make_policy(name)) == _identity(make_policy(name, granularity)), name
         return
     message = disagreement(name, granularity, SHORT_PROMPT_ARGS.get(name, {}), 0.3, env, own_granularity=True)
+    assert message is None, message
+
+
+# --- sliding-window layers (Gemma 3) ---------------------------------------------------------------
+
+# A tiny Gemma 3 (tests/conftest.py): layers 0 and 2 slide over 8 positions, layer 1 is global; the prompts (44 to 72
+# tokens) are many windows long. Budget 0.3 keeps more than a window (the policy acts in the global layer only),
+# 0.1 fewer (in every layer); `sliding_layers="window"` leaves the sliding layers their whole window.
+GEMMA3 = dict(arch="gemma3", layout="paged", prefill="full", query_aware=True, decode_eviction=True)
+GEMMA3_CHUNKED = dict(arch="gemma3", layout="dense", prefill="chunked", query_aware=False, decode_eviction=True)
+GEMMA3_NO_DECODE_EVICTION = dict(arch="gemma3", layout="paged", prefill="chunked", query_aware=True,
+                                 decode_eviction=False)
+SLIDING_CASES = [
+    ("full", "head", {}, 1.0, GEMMA3),
+    ("full", "head", {}, 0.1, GEMMA3_CHUNKED),
+    ("h2o_head", "head", {}, 0.3, GEMMA3),
+    ("h2o_head", "head", {}, 0.1, GEMMA3_CHUNKED),
+    ("h2o_token", "token", {}, 0.1, GEMMA3_NO_DECODE_EVICTION),
+    ("snapkv_head", "head", {"window": "4", "kernel": "3"}, 0.1, GEMMA3),
+    ("snapkv_head_page", "head_page", {"window": "4"}, 0.1, GEMMA3_CHUNKED),
+    ("tova_token", "token", {}, 0.1, {**GEMMA3, "sliding_layers": "window"}),
+    ("streaming_llm", "page", {}, 0.1, {**GEMMA3_CHUNKED, "sliding_layers": "window"}),
+    ("knorm_head", "head", {}, 0.3, {**GEMMA3_NO_DECODE_EVICTION, "layout": "dense"}),
+]
+
+
+@pytest.mark.parametrize("name, granularity, args, budget, env", [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[3]}-{case[4]['prefill']}-{case[4].get('sliding_layers', 'budget')}"
+                 f"{'' if case[4]['decode_eviction'] else '-no_decode_eviction'}") for case in SLIDING_CASES])
+def test_sliding_window_layers_against_the_oracle(name, granularity, args, budget, env):
+    """Every policy drops what a sliding layer's window lost after every forward, then evicts within the rest down
+    to min(its cap, W - 1) (or keeps the whole window): kept positions and tokens equal the oracle's after every
+    prefill chunk, after prefill and after every decode step."""
+    message = disagreement(name, granularity, args, budget, env)
     assert message is None, message
 
 

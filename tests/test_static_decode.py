@@ -92,8 +92,9 @@ def test_a_static_step_reads_nothing_back_to_the_host(model, monkeypatch, name):
         assert any(evicted), "no step evicted anything: the guard watched no eviction"
 
 
-def _run(model, name: str, layout: str, budget: float, mode: str, kernels: str = "torch"):
-    """(tokens fed, logits after each step, each head's positions after each step's eviction) of one generation."""
+def _run(model, name: str, layout: str, budget: float, mode: str, kernels: str = "torch", **options):
+    """(tokens fed, logits after each step, each head's positions after each step's eviction) of one generation;
+    `options`: more GenerationSettings."""
     kept = []
 
     def observe(event, cache):
@@ -102,7 +103,7 @@ def _run(model, name: str, layout: str, budget: float, mode: str, kernels: str =
                          for layer in cache.layers for b in range(layer.batch) for h in range(layer.kv_heads)])
 
     settings = GenerationSettings(policy(name), budget=budget, block_size=4, layout=layout, decode_step=mode,
-                                  kernels=kernels)
+                                  kernels=kernels, **options)
     fed, logits = [], []
     with torch.inference_mode(), evalkit_attention(model):
         run = start(model, None, requests(), settings, observe)
@@ -137,6 +138,32 @@ def test_the_static_step_keeps_and_generates_what_the_eager_step_does(model, nam
                 assert torch.equal(e, s), f"{name} at {budget}: logits differ in their bits"
             else:
                 torch.testing.assert_close(s, e, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, budget, options", [
+    ("full", 1.0, {}), ("full", 1.0, dict(decode_eviction=False)), ("h2o_head", 0.1, {}),
+    ("h2o_head", 0.4, dict(decode_eviction=False, layout="dense")), ("h2o_token", 0.4, dict(sliding_layers="window")),
+    ("snapkv_head_page", 0.1, {})])
+def test_the_static_step_drops_what_a_sliding_window_lost_as_the_eager_step_does(monkeypatch, name, budget, options):
+    """A tiny Gemma 3 (layer 0 slides with a window of 8): the static step drops each step's token that left the
+    window, evicting or not, with nothing read back to the host, and keeps and generates what the eager step
+    does."""
+    model = tiny_model("gemma3")
+    options = {"layout": "paged", **options}
+    layout = options.pop("layout")
+    eager = _run(model, name, layout, budget, "eager", **options)
+    step = StaticStep.step
+
+    def guarded(self):
+        with no_host_reads(monkeypatch):
+            step(self)
+
+    monkeypatch.setattr(StaticStep, "step", guarded)
+    static = _run(model, name, layout, budget, "static", **options)
+    assert static[0] == eager[0] and static[2] == eager[2]
+    assert len(eager[2]) == MAX_NEW - 1  # every step dropped what left the window, and said so
+    for e, s in zip(eager[1], static[1]):
+        torch.testing.assert_close(s, e, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["h2o_head", "h2o_head_page", "snapkv_head_page", "tova_token", "full"])

@@ -20,7 +20,8 @@ def register(app: typer.Typer) -> None:
 
 
 def bench(
-    model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
+    model: str = typer.Option("smollm2-135m", help="Embedded: smollm2-135m (the default) or gemma3-270m; a local "
+                                                    "folder or a Hugging Face model id."),
     policies: str = typer.Option(DEFAULT_POLICIES, help="Comma-separated policies; the full cache is always measured."),
     policy_arg: list[str] = typer.Option([], help="Policy hyper-parameter KEY=VALUE for every policy (repeatable)."),
     granularities: str = typer.Option("", help="Comma-separated granularities (head, head_page, token, page) to "

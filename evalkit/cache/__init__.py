@@ -59,11 +59,6 @@ class KVCache:
         """Bytes the storage itself occupies (every slot's K, V, position and statistic, all layers)."""
         return sum(t.nbytes for layer in self.layers for t in (layer.k, layer.v, layer.pos, layer.stats))
 
-    def bytes_per_token(self) -> int:
-        """Bytes one token costs in a full cache: K and V, every layer and KV head."""
-        layer = self.layers[0]
-        return layer.token_bytes * layer.kv_heads * len(self.layers)
-
     def compact(self) -> None:
         for layer in self.layers:
             layer.compact()

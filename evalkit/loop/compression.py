@@ -1,5 +1,11 @@
 """Where budget meets policy meets cache: the caps each layer is evicted down to (`Budgets`), the slots
-the policy keeps (`slots_to_keep`) and the eviction itself (`compress`)."""
+the policy keeps (`slots_to_keep`) and the eviction itself (`compress`).
+
+A sliding-window layer (window W: a query at position q sees the keys in (q - W, q]) first drops, for every
+policy and budget, the tokens no later query can see (positions <= seen - W, `in_window`), so that between
+forwards it holds at most W - 1 tokens, as transformers' own cache does; the policy then evicts within what is
+left, down to the layer's cap (`sliding_caps`). The storage stays storage and the policy never sees the dropped
+tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from evalkit.cache import model_kv_shape
+from evalkit.cache import SlotView, model_kv_shape
 from evalkit.loop.state import NO_LIMIT, GenerationSettings, LoopState
 from evalkit.models import output_projection, rope_of
 from evalkit.policies import PAGE_GRANULARITIES, ScoreInput, tokens_for
@@ -45,11 +51,47 @@ def budgets_for(model, settings: GenerationSettings, compressed: list[list[int]]
 
 def compress(state: LoopState, caps: torch.Tensor) -> None:
     """Evict down to `caps[l, b]` tokens per head in layer l, as the policy chooses (`slots_to_keep`)."""
+    _evict(state, caps)
+    if state.observe:
+        state.observe("compressed", state.cache)
+
+
+def slide(state: LoopState) -> None:
+    """Drop what no later query of a sliding-window layer can see, nothing else (`compress` does it too)."""
+    if state.windows:
+        _evict(state, torch.full((len(state.cache.layers), len(state.seen)), NO_LIMIT))
+
+
+def _evict(state: LoopState, caps: torch.Tensor) -> None:
     for layer, chosen in zip(state.cache.layers, slots_to_keep(state, state.cache.layers, caps)):
         if chosen is not None:
             layer.evict(*chosen)
-    if state.observe:
-        state.observe("compressed", state.cache)
+
+
+def sliding_caps(state: LoopState, caps: torch.Tensor) -> torch.Tensor:
+    """caps [L, B] in force: a sliding layer of window W keeps at most W - 1 tokens per head, the most its next
+    query can see: `sliding_layers` "budget" (the default) caps it at min(its budget, W - 1), "window" at W - 1
+    whatever the budget (which then evicts in global layers only)."""
+    if not state.windows:
+        return caps
+    window_only = state.settings.sliding_layers == "window"
+    caps = caps.clone()
+    for layer, window in enumerate(state.windows):
+        if window is not None:
+            caps[layer] = window - 1 if window_only else caps[layer].clamp(max=window - 1)
+    return caps
+
+
+def in_window(state: LoopState, view: SlotView, layer_idx: int) -> SlotView:
+    """`view` of layer `layer_idx` with the tokens no later query can see shown as empty slots (position -1):
+    in a sliding layer of window W the positions <= seen - W. The view itself where there are none."""
+    window = state.windows[layer_idx] if state.windows else None
+    if window is None:
+        return view
+    stale = (view.pos >= 0) & (view.pos <= (state.seen.to(view.pos.device) - window)[:, None, None])
+    if not bool(stale.any()):
+        return view
+    return SlotView(view.layer, view.index, view.pos.masked_fill(stale, -1))
 
 
 def _padded_to(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
@@ -63,25 +105,30 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
 
     Tokens fed since the last statistic was collected have no score: a policy that needs one
     keeps them, as the most recent tokens (docs/policies.md). Each layer is scored on its own;
-    selection never mixes the rows of a batch, so the layers' rows are selected in one call.
+    selection never mixes the rows of a batch, so the layers' rows are selected in one call. A sliding
+    layer's caps are `sliding_caps`', and the policy chooses among the tokens `in_window` leaves it.
     """
     policy = state.policy
+    caps = sliding_caps(state, caps)
     unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
     recents = torch.minimum(policy.recent_count(caps) + unscored, caps)  # [L, B]
     over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over their caps
     fewest_kept = caps.amin(1).tolist()  # [L]
     pooled = policy.selects_across_layers  # one budget for all layers: every layer is selected, or none
-    if pooled and _within_pooled(layers, caps):
-        return [None] * len(layers)
-    for layer_idx, layer in enumerate(layers):
-        view = layer.read(trim=True)
+    whole = [layer.read(trim=True) for layer in layers]
+    views = [in_window(state, view, layer_idx) for layer_idx, view in enumerate(whole)]
+    # A layer holding tokens its window lost drops them whatever the policy keeps.
+    chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [
+        None if view is read else (view.index, view.pos >= 0) for view, read in zip(views, whole)]
+    if pooled and _within_pooled(views, caps):
+        return chosen
+    for layer_idx, view in enumerate(views):
         within = view.index.shape[-1] <= fewest_kept[layer_idx] if view.all_live else \
             bool(((view.pos >= 0).sum(-1).cpu() <= caps[layer_idx][:, None]).all())  # all_live: each head holds N
         if within and not pooled:
             continue
         scores = policy.score(score_input(state, view, layer_idx, caps[layer_idx], state.stat_end))
         over.append((layer_idx, view.index, view.pos, scores))  # not the view: it may hold the keys
-    chosen: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(layers)
     if over:
         layer_ids, indexes, positions, scores = (list(column) for column in zip(*over))
         width = max(index.shape[-1] for index in indexes)  # ragged layers padded with empty slots
@@ -117,7 +164,8 @@ def score_input(state: LoopState, view, layer_idx: int, caps: torch.Tensor, stat
         span=span)
 
 
-def _within_pooled(layers, caps: torch.Tensor) -> bool:
-    """True when no sequence holds more tokens, over all layers and KV heads, than its pooled budget sum_l caps[l]."""
-    held = [layer.live_counts().cpu() for layer in layers]  # [B, H_kv] each
+def _within_pooled(views, caps: torch.Tensor) -> bool:
+    """True when no sequence holds more tokens, over all layers' `views` and KV heads, than its pooled budget
+    sum_l caps[l]."""
+    held = [(view.pos >= 0).sum(-1).cpu() for view in views]  # [B, H_kv] each
     return bool((sum(h.sum(-1) for h in held) <= caps.sum(0) * held[0].shape[-1]).all())

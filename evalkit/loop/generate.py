@@ -12,12 +12,12 @@ import time
 import torch
 
 from evalkit.attention import evalkit_attention
-from evalkit.loop.compression import Budgets, budgets_for, compress
+from evalkit.loop.compression import Budgets, budgets_for, compress, slide
 from evalkit.loop.reconstruction import longest_reconstruction, reconstruct, reconstruction_prompts
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.static_decode import StaticStep, static_step
 from evalkit.loop.state import (NO_LIMIT, Generation, GenerationSettings, LoopState, Observer, Request, forward,
-                                new_state, split_prompts)
+                                full_cache_bytes, new_state, split_prompts)
 from evalkit.policies.query_moments import QueryMoments
 
 
@@ -45,6 +45,7 @@ def prefill(state: LoopState, compressed: list[list[int]], appended: list[list[i
         state.collect = appended_collect
         step_logits, counts = forward(state, appended)
         logits = torch.where(counts[:, None] > 0, step_logits, logits)
+        slide(state)
     state.cache.compact()
     if state.observe:
         state.observe("prefill", state.cache)
@@ -119,10 +120,13 @@ class Decoding:
             self.advance(logits)
 
     def advance(self, logits: torch.Tensor) -> None:
-        """Take the logits of the tokens just fed; evict (decode eviction)."""
+        """Take the logits of the tokens just fed; evict (decode eviction), or drop only what sliding-window layers
+        no longer see."""
         self.logits = logits
         if self.evict:
             compress(self.state, self.caps)
+        elif self.state.windows:
+            compress(self.state, torch.full_like(self.caps, NO_LIMIT))
 
     def generations(self, decode_seconds: float) -> list[Generation]:
         timing = {"prefill_seconds": self.prefill_seconds, "decode_seconds": decode_seconds,
@@ -131,10 +135,9 @@ class Decoding:
             timing["reconstruction_seconds"] = self.state.reconstruction_seconds
         attended, available = self.state.attended, self.state.available
         read = torch.where(available > 0, attended / available.clamp(min=1), 1.0)
-        per_token = self.state.cache.bytes_per_token()
+        full = full_cache_bytes(self.state, self.prompt_tokens)
         return [Generation(self.outputs[b], self.texts[b], int(self.prompt_tokens[b]), float(self.kept[b]),
-                           int(self.held[b]), int(self.ideal[b]), int(self.prompt_tokens[b]) * per_token,
-                           float(read[b]), timing)
+                           int(self.held[b]), int(self.ideal[b]), int(full[b]), float(read[b]), timing)
                 for b in range(len(self.requests))]
 
 

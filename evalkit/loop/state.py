@@ -12,11 +12,12 @@ import torch
 
 from evalkit.attention import ForwardPlan, PromptRecord
 from evalkit.cache import KVCache
-from evalkit.models import rope_of
+from evalkit.models import rope_of, sliding_windows
 from evalkit.policies import Budget, Policy
 from evalkit.policies.query_moments import QueryMoments
 
 NO_LIMIT = 1 << 40
+SLIDING_LAYERS = ("budget", "window")  # what the budget does in a sliding-window layer (docs/policies.md)
 
 
 @dataclass
@@ -34,6 +35,9 @@ class GenerationSettings:
     pool_pages: int | None = None  # per layer; default: what the batch needs at its peak
     kernels: str = "auto"  # attention: "auto" (Triton on CUDA), "triton" or "torch"
     decode_step: str = "auto"  # "graph", "static" (`loop.static_decode`), "eager"; "auto": "graph" on CUDA, else "eager"
+    # A sliding-window layer (window W) never holds a token no later query sees; its cap is "budget": min(the
+    # layer's budget, W - 1), or "window": W - 1 whatever the budget, which then evicts in global layers only.
+    sliding_layers: str = "budget"
 
     @classmethod
     def from_options(cls, options, policy: Policy, **overrides) -> GenerationSettings:
@@ -59,7 +63,7 @@ class Generation:
     kept_tokens: float  # mean per layer and KV head after prefill
     bytes_held: int  # KV bytes allocated to this sequence after prefill
     bytes_ideal: int  # KV bytes of the tokens it kept
-    bytes_full: int  # KV bytes of its whole prompt in a full cache
+    bytes_full: int  # KV bytes a full cache holds after its prompt (`full_cache_bytes`)
     attended_fraction: float  # of its live slots, the share decode attention read (1.0 but for Quest)
     timing: dict = field(default_factory=dict)  # batch-wide seconds and token counts
 
@@ -98,6 +102,7 @@ class LoopState:
     reconstruction: ReconstructionPrompts | None = None  # for a policy that `reconstructs` (KVzip)
     captured: dict | None = None  # layer -> (queries [B, H_q, T, D], scaling) of the current forward, when asked
     reconstruction_seconds: float = 0.0  # spent reconstructing (part of the prefill's seconds)
+    windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None (global); [] = none
 
 
 def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +165,11 @@ def new_state(model, settings: GenerationSettings, lengths: torch.Tensor, caps: 
     prefill_peak = lengths if settings.prefill == "full" else torch.minimum(lengths, widest + settings.chunk_size)
     cache = new_cache(model, settings, prefill_peak, after_prefill) if with_cache else None
     start = torch.zeros(len(lengths), dtype=torch.long)
-    return LoopState(model, cache, settings.policy, settings, start, start.clone(), observe)
+    if settings.sliding_layers not in SLIDING_LAYERS:
+        raise ValueError(f"unknown sliding_layers {settings.sliding_layers!r}; choose from {', '.join(SLIDING_LAYERS)}")
+    windows = sliding_windows(model.config)
+    return LoopState(model, cache, settings.policy, settings, start, start.clone(), observe,
+                     windows=windows if any(windows) else [])
 
 
 def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_prefill: torch.Tensor) -> KVCache:
@@ -168,6 +177,14 @@ def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_pre
     capacity = int((peak + after_prefill + 1).max())
     return KVCache.create(settings.layout, model.config, len(peak), capacity, settings.block_size,
                           model.dtype, model.device, settings.pool_pages)
+
+
+def full_cache_bytes(state: LoopState, tokens: torch.Tensor) -> torch.Tensor:
+    """[B] KV bytes a full cache holds after `tokens` [B] tokens per sequence: all of them in a global layer, the
+    last W - 1 in a sliding layer of window W (what transformers' own cache keeps), every KV head."""
+    windows = state.windows or [None] * len(state.cache.layers)
+    return sum(tokens.clamp(max=NO_LIMIT if window is None else window - 1) * layer.token_bytes * layer.kv_heads
+               for layer, window in zip(state.cache.layers, windows))
 
 
 def split_prompts(requests, query_aware: bool) -> tuple[list[list[int]], list[list[int]]]:

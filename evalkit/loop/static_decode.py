@@ -26,7 +26,7 @@ import torch
 from evalkit.attention import ForwardPlan
 from evalkit.cache import PoolExhausted, SlotView
 from evalkit.errors import EvalkitError
-from evalkit.loop.compression import score_input
+from evalkit.loop.compression import score_input, sliding_caps
 from evalkit.loop.state import NO_LIMIT, LoopState
 from evalkit.policies import Policy
 
@@ -54,14 +54,17 @@ def policy_refusal(policy: Policy) -> str | None:
 
 def decode_slots_needed(state: LoopState, caps: torch.Tensor, evict: bool, max_new: int) -> list[torch.Tensor]:
     """Per layer, [B, H_kv] the most tokens each head holds during the decode: its cap plus the token a step
-    adds where it is evicted, else what it holds now plus every token still to come."""
+    adds where it is evicted, else what it holds now plus every token still to come; in a sliding layer of
+    window W never more than W (its W - 1 and the new token)."""
     grown = []
-    for layer, cap in zip(state.cache.layers, caps):
+    for layer, cap, window in zip(state.cache.layers, caps, state.windows or [None] * len(caps)):
         live = layer.live_counts()
         ceiling = live + max_new
         if evict:
             ceiling = torch.where(cap[:, None] < NO_LIMIT, torch.minimum(ceiling, torch.maximum(live, cap[:, None]) + 1),
                                   ceiling)
+        if window is not None:
+            ceiling = ceiling.clamp(max=window)
         grown.append(ceiling)
     return grown
 
@@ -74,6 +77,9 @@ class StaticStep:
         model, device = state.model, state.model.device
         B = len(state.seen)
         self.state, self.evict, self.capture = state, evict, capture
+        # Sliding-window layers drop what their window lost at every step, evicting or not.
+        self.windows = state.windows or [None] * len(state.cache.layers)
+        self.drops = evict or bool(state.windows)
         needed = decode_slots_needed(state, caps, evict, max_new)
         if not all(layer.room_for(most) for layer, most in zip(state.cache.layers, needed)):
             raise PoolExhausted("the KV page pool cannot hold every head's decode at once (the static step reserves "
@@ -81,7 +87,7 @@ class StaticStep:
         self.slots = [layer.freeze(most) for layer, most in zip(state.cache.layers, needed)]
         self.span = int(state.seen.max()) + max_new + 1  # every position of the decode is below it
         # The step's own buffers (`.to` alone would share the host's tensors on a CPU).
-        self.caps = caps.to(device, copy=True)
+        self.caps = sliding_caps(state, caps).to(device, copy=True)
         self.seen = state.seen.to(device, copy=True)  # [B] tokens fed so far: the next token's position
         self.stat_end = state.stat_end.to(device, copy=True)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
@@ -123,22 +129,30 @@ class StaticStep:
         self.seen += 1
         if state.collect is not None:
             self.stat_end.copy_(self.seen)
-        if self.evict:
+        if self.drops:
             self._evict()
 
     def _evict(self) -> None:
-        """`compression.slots_to_keep` for frozen layers: every layer scored and selected, the rows within
-        their caps left alone."""
+        """`compression.slots_to_keep` for frozen layers: every layer scored and selected (when evicting), the
+        rows within their caps left alone; a sliding layer's tokens out of its window dropped first
+        (`compression.in_window`)."""
         state, policy = self.state, self.state.policy
         unscored = self.seen - self.stat_end if policy.needs_statistic else torch.zeros_like(self.seen)
         recents = torch.minimum(policy.recent_count(self.caps) + unscored, self.caps)  # [L, B]
-        for layer_idx, (layer, slots) in enumerate(zip(state.cache.layers, self.slots)):
-            view = SlotView(layer, slots.index, layer.gather(layer.pos, slots.index))
+        for layer_idx, (layer, slots, window) in enumerate(zip(state.cache.layers, self.slots, self.windows)):
+            pos = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
+            if window is not None:  # stale tokens as empty slots: fixed shapes, nothing read back
+                pos = pos.masked_fill(pos <= (self.seen - window)[:, None, None], -1)
+            live = pos >= 0
+            if not self.evict:  # only what the window lost
+                if window is not None:
+                    layer.evict_static(slots.index, live)
+                continue
+            view = SlotView(layer, slots.index, pos)
             caps = self.caps[layer_idx]
             scores = policy.score(score_input(state, view, layer_idx, caps, self.stat_end, self.span))
             keep = policy.select(scores, view.pos, self.seen, caps, state.settings.block_size, recents[layer_idx],
                                  span=self.span)
-            live = view.pos >= 0
             within = (live.sum(-1) <= caps[:, None]).all(-1)  # [B]
             layer.evict_static(slots.index, torch.where(within[:, None, None], live, keep))
 
@@ -150,7 +164,7 @@ class StaticStep:
             state.stat_end = state.seen.clone()
         if state.observe:
             state.observe("forward", state.cache)
-            if self.evict:
+            if self.drops:
                 state.observe("compressed", state.cache)
 
 

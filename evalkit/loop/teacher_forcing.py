@@ -12,7 +12,7 @@ import torch
 from evalkit.attention import evalkit_attention
 from evalkit.loop.compression import budgets_for, compress
 from evalkit.loop.generate import prefill, restrict_reads
-from evalkit.loop.state import GenerationSettings, Observer, forward, new_state, split_prompts
+from evalkit.loop.state import GenerationSettings, Observer, forward, full_cache_bytes, new_state, split_prompts
 
 
 @dataclass
@@ -106,11 +106,12 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
                     take(b, torch.log_softmax(logits[b, width - int(counts[b]):], -1), 1)
 
     scores = []
+    prompts = torch.tensor([len(c) + len(a) for c, a in zip(compressed, appended)])
+    full = full_cache_bytes(state, prompts)
     for r, g in zip(requests, member):
         final = last[g][r.continuation_ids[-1]]
-        prompt = len(compressed[g]) + len(appended[g])
         scores.append(Score(shared[g] + [float(final)], greedy[g] and int(last[g].argmax()) == r.continuation_ids[-1],
-                            prompt, float(kept[g]), int(held[g]), int(ideal[g]), prompt * cache.bytes_per_token()))
+                            int(prompts[g]), float(kept[g]), int(held[g]), int(ideal[g]), int(full[g])))
     return scores
 
 
@@ -156,5 +157,6 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
             observe("prefill", cache)
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
-    return [Score(logprobs[b], greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]),
-                  int(lengths[b]) * cache.bytes_per_token()) for b in range(len(inputs))]
+    full = full_cache_bytes(state, lengths)
+    return [Score(logprobs[b], greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]), int(full[b]))
+            for b in range(len(inputs))]

@@ -33,7 +33,8 @@ def sweep(
     metric: Optional[str] = typer.Option(None, help="Data tasks: the metric (default: the format's own)."),
     limit: Optional[int] = typer.Option(None, help="Data tasks: at most this many records (default: all)."),
     offset: Optional[int] = typer.Option(None, help="Data tasks: skip this many records first (default 0)."),
-    model: str = typer.Option("smollm2-135m", help="Embedded default, a local folder or a Hugging Face model id."),
+    model: str = typer.Option("smollm2-135m", help="Embedded: smollm2-135m (the default) or gemma3-270m; a local "
+                                                    "folder or a Hugging Face model id."),
     layout: str = typer.Option("paged", help="KV storage: paged or dense."),
     block_size: int = typer.Option(16, help="Tokens per page."),
     granularity: Optional[str] = typer.Option(None, help="Override every policy's granularity: head, head_page, "
