@@ -166,12 +166,13 @@ class RunConfig:
                                f"{self.model} has {limit}: lower {lower}")
 
     def _check_rope(self) -> None:
-        """A policy that rotates queries with the model's RoPE itself (Expected Attention's moments and future
-        positions) reads one RoPE for every layer: refused on a model whose layer types rotate with their own
-        (Gemma 3: sliding layers with base 10,000, global ones with 1,000,000)."""
+        """A policy that applies the model's RoPE itself (Expected Attention's query moments and future positions,
+        DuoAttention's calibration) reads one RoPE for every layer: refused on a model whose layer types rotate
+        with their own (Gemma 3: sliding layers with base 10,000, global ones with 1,000,000)."""
         rope = getattr(model_config(self.model), "rope_parameters", None)
-        per_layer_type = isinstance(rope, dict) and all(isinstance(value, dict) for value in rope.values())
-        if per_layer_type and self.make_policy().reads_query_moments:
+        per_layer_type = bool(rope) and isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
+        # DuoAttention declares no flag for it (its module calls the model's rotary embedding directly): by name.
+        if per_layer_type and (self.make_policy().reads_query_moments or self.policy.startswith("duo_attention")):
             raise EvalkitError(f"{self.policy} reads the model's RoPE, and {self.model} has one per layer type "
                                f"({', '.join(rope)}): not supported yet")
 

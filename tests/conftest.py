@@ -142,6 +142,7 @@ _MODEL_TESTS = {
     },
     "test_config": {  # RunConfig().validate() on the default model reads its window
         "test_the_default_run_keeps_its_id": ALL_CASES,
+        "test_sliding_layers_enter_the_run_id_only_when_not_the_default": ALL_CASES,
         "test_run_ids_name_the_granularity_run": ALL_CASES,
         "test_a_folder_named_before_the_granularity_label_keeps_its_name": ALL_CASES,
         "test_an_earlier_folder_resumes_where_it_stopped": ALL_CASES,  # save_tiny_model in its body

@@ -27,16 +27,42 @@ def test_field_groups_are_the_lists_they_replaced():
                                                 "data_sha256"}
     assert set(fields_where(after_prefill=True)) == {"policy", "budget", "granularity", "policy_args", "layout",
                                                      "block_size", "pool_pages", "decode_eviction", "temperature",
-                                                     "out", "wandb"}
+                                                     "out", "wandb", "sliding_layers"}
     assert set(fields_where(report="ignored")) == {"out", "wandb", "batch_size", "device", "kernels"}
     assert set(fields_where(report="variant")) == {"granularity", "policy_args", "layout", "block_size", "prefill",
-                                                   "chunk_size", "query_aware", "decode_eviction", "pool_pages"}
+                                                   "chunk_size", "query_aware", "decode_eviction", "pool_pages",
+                                                   "sliding_layers"}
     assert set(fields_where(report="curve")) == {"policy", "budget"}
     assert all(f.metadata for f in fields(RunConfig))  # every field says its groups
 
 
 def test_the_default_run_keeps_its_id():
     assert RunConfig().validate().run_id() == "niah_single_2-h2o_head-0.2-b9c3cc36"  # README's example
+
+
+def test_sliding_layers_enter_the_run_id_only_when_not_the_default():
+    """`--sliding-layers window` is a run of its own; `budget` (the default) keeps every earlier id, and a window
+    run's full-cache baseline is the default's (a full cache keeps a sliding layer's window either way)."""
+    default = RunConfig().validate()
+    window = RunConfig(sliding_layers="window").validate()
+    assert RunConfig(sliding_layers="budget").validate().run_id() == default.run_id()
+    assert window.run_id() != default.run_id()
+    assert window.full_cache().run_id() == default.full_cache().run_id()
+    with pytest.raises(EvalkitError, match="unknown sliding layers 'all'; choose from budget, window"):
+        RunConfig(sliding_layers="all").validate()
+
+
+def test_policies_that_apply_the_model_s_rope_are_refused_on_gemma3(monkeypatch):
+    """Gemma 3 rotates its sliding and global layers with RoPEs of their own: Expected Attention (and its wrappers)
+    and DuoAttention, which apply one RoPE themselves, are refused in one line before any work."""
+    from conftest import tiny_config
+    import evalkit.config
+
+    monkeypatch.setattr(evalkit.config, "model_config", lambda name: tiny_config("gemma3"))
+    for policy in ("expected_attention", "adakv_expected_attention", "critical_expected_attention", "duo_attention"):
+        with pytest.raises(EvalkitError, match="has one per layer type"):
+            RunConfig(policy=policy)._check_rope()
+    RunConfig(policy="kvzip")._check_rope()
 
 
 def test_run_ids_name_the_granularity_run(tmp_path):

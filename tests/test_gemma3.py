@@ -68,11 +68,11 @@ def test_evalkit_run_on_gemma3_end_to_end(monkeypatch, capsys, tmp_path):
     over full counts a sliding layer's window as what the full cache holds."""
     out = tmp_path / "runs"
     code, stdout, stderr = evalkit(monkeypatch, capsys, "run", "--model", "gemma3-270m", "--policy", "h2o_head",
-                                   "--budget", "0.2", "--length", "1024", "--samples", "2", "--out", str(out),
-                                   "--wandb", "off")
+                                   "--budget", "0.2", "--length", "1024", "--samples", "1", "--out", str(out),
+                                   "--wandb", "off")  # a base model answers RULER to its 128 new tokens: one sample
     assert code == 0, stderr
     run_dir, records, metrics = read_run(out, "h2o_head")
-    assert len(records) == 2 and 0.0 <= metrics["score"] <= 1.0
+    assert len(records) == 1 and 0.0 <= metrics["score"] <= 1.0
     token_bytes = 2 * 256 * 4  # K and V, one KV head of 256, float32
     for r in records:
         n = r["prompt_tokens"]

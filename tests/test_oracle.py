@@ -569,9 +569,13 @@ SLIDING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, granularity, args, budget, env", [
-    pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[3]}-{case[4]['prefill']}-{case[4].get('sliding_layers', 'budget')}"
-                 f"{'' if case[4]['decode_eviction'] else '-no_decode_eviction'}") for case in SLIDING_CASES])
+def _sliding_id(name, granularity, args, budget, env) -> str:
+    return (f"{name}-{granularity}-{budget}-{env['prefill']}-{env.get('sliding_layers', 'budget')}"
+            f"{'' if env['decode_eviction'] else '-no_decode_eviction'}")
+
+
+@pytest.mark.parametrize("name, granularity, args, budget, env",
+                         [pytest.param(*case, id=_sliding_id(*case)) for case in SLIDING_CASES])
 def test_sliding_window_layers_against_the_oracle(name, granularity, args, budget, env):
     """Every policy drops what a sliding layer's window lost after every forward, then evicts within the rest down
     to min(its cap, W - 1) (or keeps the whole window): kept positions and tokens equal the oracle's after every
