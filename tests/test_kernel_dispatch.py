@@ -16,9 +16,10 @@ from test_generate import hf_greedy, prompts, run
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the kernels' sliding window, its tokens dropped
 @pytest.mark.parametrize("layout", ["paged", "dense"])
-def test_kernels_at_full_budget_match_hf_greedy(layout):
-    model = tiny_model("llama", kv_heads=2)  # G = 3 query heads per KV head
+def test_kernels_at_full_budget_match_hf_greedy(layout, arch):
+    model = tiny_model(arch, kv_heads=2)  # G = 3 query heads per KV head
     batch = prompts(lengths=(17, 30, 5))
     expected = [hf_greedy(model, p) for p in batch]
     model.to(DEVICE)
