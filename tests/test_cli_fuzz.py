@@ -121,6 +121,7 @@ RUN_OPTIONS = {
     "--block-size": value("16", "0", "4096"),
     "--granularity": value("head", "token", "page", "head_page", "row"),
     "--prefill": value("full", "chunked"),
+    "--sliding-layers": value("budget", "window", "all"),
     "--chunk-size": value("512", "0"),
     "--temperature": value("0", "0.7", "nan", "inf", "-1"),
     "--seed": value("0", "42", "-1", "99999999999999999999999"),

@@ -47,6 +47,8 @@ def sweep(
                                      help="Compress with the question in the prompt, or before it is seen."),
     decode_eviction: bool = typer.Option(True, "--decode-eviction/--no-decode-eviction",
                                          help="Keep the cache at budget while decoding, or let it grow."),
+    sliding_layers: str = typer.Option("budget", help="Sliding-window layers (Gemma 3): budget (each keeps "
+                                                      "min(budget, window)) or window (each keeps its whole window)."),
     temperature: float = typer.Option(0.0, help="0 = greedy."),
     seed: int = typer.Option(0, help="Seed for samples, random policies and sampling."),
     batch_size: int = typer.Option(1, help="Prompts per generation batch."),
