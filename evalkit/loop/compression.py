@@ -106,7 +106,7 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
     Tokens fed since the last statistic was collected have no score: a policy that needs one
     keeps them, as the most recent tokens (docs/policies.md). Each layer is scored on its own;
     selection never mixes the rows of a batch, so the layers' rows are selected in one call. A sliding
-    layer's caps are `sliding_caps`', and the policy chooses among the tokens `in_window` leaves it.
+    layer's caps are `sliding_caps`'s, and the policy chooses among the tokens `in_window` leaves it.
     """
     policy = state.policy
     caps = sliding_caps(state, caps)
