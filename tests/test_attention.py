@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-import evalkit.attention as attention
-from evalkit.attention import attention_reference
+import evalkit.attention_ops as attention_ops
+from evalkit.attention_ops import attention_reference
 
 D = 8
 RTOL = 1e-4  # fp32 inputs against float64
@@ -61,14 +61,14 @@ def paths(monkeypatch):
     """Records `_is_fresh_causal`'s verdicts, "fast" or "masked"; with a collect mode the explicit
     path runs without asking it, so nothing is recorded."""
     taken = []
-    fresh = attention._is_fresh_causal
+    fresh = attention_ops._is_fresh_causal
 
     def spy(*args, **kwargs):
         result = fresh(*args, **kwargs)
         taken.append("fast" if result else "masked")
         return result
 
-    monkeypatch.setattr(attention, "_is_fresh_causal", spy)
+    monkeypatch.setattr(attention_ops, "_is_fresh_causal", spy)
     return taken
 
 
@@ -357,7 +357,7 @@ def test_query_blocking(gen, monkeypatch, G, collect, block):
     whole, whole_stats = case.run(collect)
     B, H_q = case.q.shape[:2]
     N = case.k.shape[2]
-    monkeypatch.setattr(attention, "_ELEMENTS_PER_BLOCK", block * B * H_q * N)  # `block` queries a block
+    monkeypatch.setattr(attention_ops, "_ELEMENTS_PER_BLOCK", block * B * H_q * N)  # `block` queries a block
     out, stats = check_against_naive(case, collect)
     valid = case.q_valid
     assert_rel_close(out[valid], whole[valid], "blocked against unblocked output", case.seed, rtol=1e-5)
@@ -374,7 +374,7 @@ def test_a_fresh_prompt_attends_bit_for_bit_as_sdpa_with_grouped_heads(gen, G, d
     q = torch.randn(1, H_kv * G, T, D, generator=gen.g).to(dtype)
     k, v = (torch.randn(1, H_kv, T, D, generator=gen.g).to(dtype) for _ in range(2))
     pos, valid = torch.arange(T)[None], torch.ones(1, T, dtype=torch.bool)
-    out, _ = attention.prompt_attention(q, pos, valid, k, v, SCALING, counted=[valid])
+    out, _ = attention_ops.prompt_attention(q, pos, valid, k, v, SCALING, counted=[valid])
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALING, enable_gqa=True)
     assert torch.equal(out, sdpa.transpose(1, 2)), f"seed={gen.seed}"
 

@@ -267,7 +267,7 @@ def test_a_packed_layer_reads_only_its_live_slots_in_place_and_evicts_through_th
     """Decoding over a packed cache (every head holding the same n tokens in its first n slots) reads those
     n slots as views of the storage: no empty slot, so attention needs no positions and no mask; evicting
     one token a head through that view leaves the hole the next decode token fills, as through `read()`."""
-    from evalkit.attention import attention_reference
+    from evalkit.attention_ops import attention_reference
 
     for layer in (paged(1, 3, pages=30, block=4), dense(1, 3, capacity=40)):
         append(layer, [list(range(30))])
@@ -341,7 +341,7 @@ def test_a_packed_layer_takes_new_tokens_through_a_view_exactly_where_the_scatte
 def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathered_copy():
     """A head whose pages are consecutive ids is read as a strided view of the storage, no copy (decode's
     K/V read); its padding slots hold other slots' rows, which attention masks: the same output, bit for bit."""
-    from evalkit.attention import attention_reference
+    from evalkit.attention_ops import attention_reference
 
     layer = paged(1, 3, pages=30, block=4)
     append(layer, [list(range(30))])  # 8 pages a head, from its share of the pool: 0-7, 10-17, 20-27

@@ -61,7 +61,7 @@ def test_a_fresh_prompt_takes_its_statistics_from_the_kernel_beside_flash_attent
     """Where the kernels run, a fresh prompt's statistics come from the Triton pass over the forward's own K with
     flash attention's log-sum-exp ("flash+kernel"), never from the chunk kernel: the same output bits as the
     torch route, and the same statistics (H2O's every query, SnapKV's window of 5) within the kernels' bound."""
-    from evalkit.attention import prefill_route, prompt_attention, window_queries
+    from evalkit.attention_ops import prefill_route, prompt_attention, window_queries
 
     H_q, H_kv = heads
     g = torch.Generator().manual_seed(H_q)

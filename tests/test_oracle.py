@@ -42,7 +42,7 @@ from conftest import SHORT_PROMPT_ARGS, TINY, tiny_config
 from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_budgets, run_oracle
 from test_policies import every_name, published_granularity
 
-import evalkit.attention
+import evalkit.attention_ops
 import evalkit.loop.reconstruction
 import evalkit.policies.adakv
 import evalkit.policies.critical
@@ -612,8 +612,8 @@ def test_mutation_h2o_without_decode_accumulation_is_caught(monkeypatch):
 
 def test_mutation_snapkv_window_off_by_one_is_caught(monkeypatch):
     """A SnapKV window statistic over w + 1 queries (evalkit's side only) must disagree with the oracle."""
-    window_queries = evalkit.attention.window_queries
-    monkeypatch.setattr(evalkit.attention, "window_queries",
+    window_queries = evalkit.attention_ops.window_queries
+    monkeypatch.setattr(evalkit.attention_ops, "window_queries",
                         lambda q_pos, q_valid, window: window_queries(q_pos, q_valid, window + 1))
     cases = [("snapkv_head", "head", args, budget, env) for env in MUTATION_ENVS
              for args in ({}, {"window": "8", "kernel": "5", "pooling": "avg"}) for budget in (0.3, 0.6)]

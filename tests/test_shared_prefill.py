@@ -17,7 +17,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from evalkit.attention import attention_statistics, evalkit_attention, prompt_attention, window_queries
+from evalkit.attention import evalkit_attention
+from evalkit.attention_ops import attention_statistics, prompt_attention, window_queries
 from evalkit.loop import GenerationSettings, Request, generate, start
 from evalkit.loop.state import forward
 from evalkit.policies import make_policy
@@ -54,10 +55,10 @@ def naive_statistic(q, k, q_pos, q_valid, counted, scaling):
 
 @pytest.mark.parametrize("padded", [False, True], ids=["causal (CPU: flash log-sum-exp)", "left-padded (softmax)"])
 def test_a_statistic_is_the_same_whichever_others_are_asked_for_and_matches_naive_attention(padded, monkeypatch):
-    import evalkit.attention
+    import evalkit.attention_ops
 
-    monkeypatch.setattr(evalkit.attention, "_STATISTICS_ELEMENTS", 2000)  # several query blocks
-    monkeypatch.setattr(evalkit.attention, "_STATISTICS_TILE", (8, 12))  # several tiles, edges off the diagonal
+    monkeypatch.setattr(evalkit.attention_ops, "_STATISTICS_ELEMENTS", 2000)  # several query blocks
+    monkeypatch.setattr(evalkit.attention_ops, "_STATISTICS_TILE", (8, 12))  # several tiles, edges off the diagonal
     gen = torch.Generator().manual_seed(3)
     B, H_kv, G, T, D = 2, 2, 3, 40, 8
     q = torch.randn(B, T, H_kv * G, D, generator=gen).transpose(1, 2)  # as transformers passes it

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.attention import attention_reference, prefill_route, prompt_attention, statistic_queries
+from evalkit.attention_ops import attention_reference, prefill_route, prompt_attention, statistic_queries
 from evalkit.bench.isolation import Clock, PeakMemory
 from evalkit.cache import PagedLayer, model_kv_shape
 from evalkit.cache.storage import key_norms_of
@@ -95,7 +95,7 @@ def _qkv(shape: HeadShape, queries: int, keys: int, generator: torch.Generator):
 
 def prefill_statistics_point(shape: HeadShape, n: int, collect: str | None, route: str) -> dict:
     """One layer's prefill attention over n fresh tokens, gathering `collect`, by prefill `route`
-    (`evalkit.attention.prefill_route`: the loop's choice on this device, or the one it passes over); seconds
+    (`evalkit.attention_ops.prefill_route`: the loop's choice on this device, or the one it passes over); seconds
     and working memory."""
     device = torch.device(shape.device)
     q, k, v = _qkv(shape, n, n, torch.Generator().manual_seed(n))

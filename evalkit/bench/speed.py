@@ -37,7 +37,7 @@ from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from evalkit.attention import causal_tiles
+from evalkit.attention_ops import causal_tiles
 from evalkit.bench.checks import items, parse_length
 from evalkit.bench.generations import bench_prompts, eos_disabled
 from evalkit.config import RunConfig

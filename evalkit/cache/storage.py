@@ -294,11 +294,12 @@ class SlotLayer:
         self._write(dest.reshape(-1), k.reshape(-1, D), v.reshape(-1, D), pos.expand(B, H).reshape(-1))
         return dest
 
-    def evict_static(self, index: torch.Tensor, keep: torch.Tensor) -> None:
+    def evict_static(self, index: torch.Tensor, keep: torch.Tensor, pos: torch.Tensor) -> None:
         """`evict` for a frozen layer: empty every live slot of `index` [B, H_kv, N] where `keep` is False, by
-        rewriting every slot of `index` (the sentinel's with its own empty value)."""
+        rewriting every slot of `index` (the sentinel's with its own empty value). `pos`: the slots' positions
+        as stored, `gather(self.pos, index)`, which the caller has already read."""
         flat = index.reshape(-1)
-        pos = self.pos.index_select(0, flat)
+        pos = pos.reshape(-1)
         dropped = ~keep.reshape(-1) & (pos >= 0)
         self.pos.index_copy_(0, flat, pos.masked_fill(dropped, -1))
         self.stats.index_copy_(0, flat, self.stats.index_select(0, flat).masked_fill(dropped, 0.0))

@@ -3,7 +3,7 @@ continues it, such as the runs of a sweep.
 
 In full-prefill mode the prompt's forward pass does not depend on the policy (a layer's first
 tokens attend to themselves the same way whatever the storage or statistic:
-`evalkit.attention.prompt_attention`), so `share_prefill` runs it once, recording each layer's K/V
+`evalkit.attention_ops.prompt_attention`), so `share_prefill` runs it once, recording each layer's K/V
 and every statistic the branches need, and `generate(..., shared=)` gives each branch the cache its own
 forward and compression would have left: a branch whose prompt is compressed whole (query-aware, the
 usual case) chooses its tokens on a copy of the prompt stored once for every branch of its layout, and

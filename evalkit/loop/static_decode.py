@@ -140,13 +140,14 @@ class StaticStep:
         unscored = self.seen - self.stat_end if policy.needs_statistic else torch.zeros_like(self.seen)
         recents = torch.minimum(policy.recent_count(self.caps) + unscored, self.caps)  # [L, B]
         for layer_idx, (layer, slots, window) in enumerate(zip(state.cache.layers, self.slots, self.windows)):
-            pos = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
+            stored = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
+            pos = stored
             if window is not None:  # stale tokens as empty slots: fixed shapes, nothing read back
-                pos = pos.masked_fill(pos <= (self.seen - window)[:, None, None], -1)
+                pos = stored.masked_fill(stored <= (self.seen - window)[:, None, None], -1)
             live = pos >= 0
             if not self.evict:  # only what the window lost
                 if window is not None:
-                    layer.evict_static(slots.index, live)
+                    layer.evict_static(slots.index, live, stored)
                 continue
             view = SlotView(layer, slots.index, pos)
             caps = self.caps[layer_idx]
@@ -154,7 +155,7 @@ class StaticStep:
             keep = policy.select(scores, view.pos, self.seen, caps, state.settings.block_size, recents[layer_idx],
                                  span=self.span)
             within = (live.sum(-1) <= caps[:, None]).all(-1)  # [B]
-            layer.evict_static(slots.index, torch.where(within[:, None, None], live, keep))
+            layer.evict_static(slots.index, torch.where(within[:, None, None], live, keep), stored)
 
     def _mirror_on_host(self) -> None:
         """The host's copy of the loop's counters, kept without reading the device."""
