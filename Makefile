@@ -4,7 +4,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: setup browser run test test-fast bench clean
+.PHONY: setup browser run test test-fast bench leaderboard clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,13 @@ test-fast: setup
 
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench
+
+# The study's leaderboard (docs/leaderboard/: index.html, PNGs, leaderboard.csv) from its results folders, read
+# only; a run still being written is listed as left out, and the next `make leaderboard` adds it.
+LEADERBOARD_RUNS := runs/granularity runs/granularity-query-agnostic runs/study
+
+leaderboard: setup
+	$(OFFLINE) $(VENV)/bin/evalkit report $(LEADERBOARD_RUNS) -o docs/leaderboard
 
 clean:
 	rm -rf $(VENV) runs wandb report .pytest_cache .hypothesis

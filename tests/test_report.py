@@ -319,3 +319,100 @@ def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tm
             shutil.rmtree(runs / f"{policy}-{size}")
     build_report(runs, tmp_path / "report")
     assert not list((tmp_path / "report").glob("quality-vs-block-size-*.png"))
+
+
+# ---- several results folders --------------------------------------------------------------------------------
+
+def _folder_of_runs(runs: Path, scores: dict[str, float]) -> Path:
+    """Runs of one setting under `runs`: "full" is the full cache, any other name an h2o_head run at its budget
+    (0.25 or 0.5 from the name's end)."""
+    base = {"task": "ruler:niah_single_1", "length": 512, "samples": 1, "model": "m", "seed": 0}
+    for name, score in scores.items():
+        policy, budget = ("full", 1.0) if name == "full" else ("h2o_head", float(name.rsplit("-", 1)[1]))
+        _write_run(runs, name, {**base, "policy": policy, "budget": budget}, _metrics(score, budget),
+                   [{"id": "s0", "score": score, "prediction": f"answer of {name}", "references": ["x"]}])
+    return runs
+
+
+def _leaderboard(output: Path) -> dict[str, dict]:
+    return {row["run_id"]: row for row in csv.DictReader((output / "leaderboard.csv").open())}
+
+
+def test_runs_of_several_folders_are_read_together_and_each_folder_named(monkeypatch, capsys, tmp_path):
+    first = _folder_of_runs(tmp_path / "grid", {"full": 1.0, "h2o-0.25": 0.5})
+    second = _folder_of_runs(tmp_path / "study", {"h2o-0.5": 0.75})
+    (second / "running").mkdir()  # a run still being written: config, no metrics.json
+    (second / "running" / "config.json").write_text(json.dumps({"config": {"policy": "full", "budget": 1.0}}))
+    code, out, _ = evalkit(monkeypatch, capsys, "report", str(first), str(second), "-o", str(tmp_path / "r"))
+    assert code == 0 and "3 runs" in out
+    assert f"left out: {second}: incomplete runs (no metrics.json yet): running" in out.splitlines()
+    rows = _leaderboard(tmp_path / "r")
+    assert set(rows) == {"full", "h2o-0.25", "h2o-0.5"}
+    # One setting across the folders: the study's run is measured against the grid's full cache, on one curve.
+    assert float(rows["h2o-0.5"]["relative_score"]) == pytest.approx(0.75)
+    assert float(rows["h2o-0.5"]["auc"]) == pytest.approx((0.25 * 0.625 + 0.5 * 0.875) / 0.75)
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert f"3 runs from <code>{first}</code>, <code>{second}</code>." in html
+    assert f"<li>{second}: incomplete runs (no metrics.json yet): running</li>" in html
+    assert re.findall(r'<th scope="col" class="headline">([^<]*)</th>', html) == ["AUC"]  # the headline column
+
+
+def test_a_run_id_in_two_folders_is_shown_once_from_the_first_given(tmp_path):
+    grid = _folder_of_runs(tmp_path / "grid", {"full": 1.0, "h2o-0.25": 0.5})
+    copy = _folder_of_runs(tmp_path / "copy", {"h2o-0.25": 0.25})  # the same run id, another score
+    written = build_report([grid, copy], tmp_path / "r")
+    assert written.runs == 2 and float(_leaderboard(tmp_path / "r")["h2o-0.25"]["score"]) == 0.5
+    assert written.skipped == [f"{copy / 'h2o-0.25'}: the same run id as {grid / 'h2o-0.25'}, which is shown"]
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert html.count("answer of h2o-0.25") == 1 and html.count("(first 1 of 1)") == 2  # two runs
+
+    written = build_report([copy, grid], tmp_path / "r")  # the order given decides
+    assert float(_leaderboard(tmp_path / "r")["h2o-0.25"]["score"]) == 0.25
+    assert written.skipped == [f"{grid / 'h2o-0.25'}: the same run id as {copy / 'h2o-0.25'}, which is shown"]
+
+    # A folder named twice is read once: nothing is a duplicate.
+    assert build_report([grid, tmp_path / "." / "grid"], tmp_path / "r").skipped == []
+
+
+def test_a_run_unfinished_in_the_first_folder_is_shown_from_where_it_finished(tmp_path):
+    grid = _folder_of_runs(tmp_path / "grid", {"full": 1.0, "h2o-0.25": 0.5})
+    (grid / "h2o-0.25" / "metrics.json").unlink()  # stopped here, finished in the rerun below
+    rerun = _folder_of_runs(tmp_path / "rerun", {"h2o-0.25": 0.75})
+    written = build_report([grid, rerun], tmp_path / "r")
+    assert float(_leaderboard(tmp_path / "r")["h2o-0.25"]["score"]) == 0.75
+    assert written.skipped == [f"{grid}: incomplete runs (no metrics.json yet): h2o-0.25"]
+
+
+def test_a_missing_folder_among_several_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    grid = _folder_of_runs(tmp_path / "grid", {"full": 1.0})
+    code, out, err = evalkit(monkeypatch, capsys, "report", str(grid), str(tmp_path / "nowhere"),
+                             "-o", str(tmp_path / "out"))
+    assert code == 2 and out == "" and err.strip() == f"error: no results folder {str(tmp_path / 'nowhere')!r}"
+    assert not (tmp_path / "out").exists()
+    monkeypatch.chdir(tmp_path)  # no folder given: ./runs, which is not there
+    code, _, err = evalkit(monkeypatch, capsys, "report", "-o", "out")
+    assert code == 2 and err.strip() == "error: no results folder 'runs'" and not (tmp_path / "out").exists()
+
+
+# ---- the page's size ----------------------------------------------------------------------------------------
+
+def test_past_50_runs_the_runs_share_a_thousand_predictions():
+    from evalkit.report.page import predictions_per_run
+
+    assert [predictions_per_run(runs) for runs in (1, 50, 66, 150, 333, 1000, 5000)] == [20, 20, 15, 6, 3, 1, 1]
+
+
+def test_the_page_shows_each_runs_share_of_its_predictions(monkeypatch, tmp_path):
+    from evalkit.report import page
+
+    runs = tmp_path / "runs"
+    base = {"task": "ruler:niah_single_1", "length": 512, "samples": 5, "model": "m", "seed": 0}
+    records = [{"id": f"s{i}", "score": 1.0, "prediction": f"prediction {i}", "references": ["x"]} for i in range(5)]
+    for name, policy, budget in (("full", "full", 1.0), ("h2o", "h2o_head", 0.5)):
+        _write_run(runs, name, {**base, "policy": policy, "budget": budget}, {**_metrics(1.0, budget), "samples": 5},
+                   records)
+    monkeypatch.setattr(page, "_PREDICTIONS_ON_PAGE", 4)  # two runs share four: two each
+    build_report(runs, tmp_path / "r")
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert html.count("(first 2 of 5)") == 2
+    assert "prediction 1<" in html and "prediction 2<" not in html

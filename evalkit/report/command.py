@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    runs: Path = typer.Argument(Path("runs"), help="Results folder to read."),
+    runs: list[Path] = typer.Argument(
+        [Path("runs")], help="Results folders, read together (a run id in several is shown from the first)."),
     output: str = typer.Option("report", "-o", "--output", help="Folder for index.html, PNGs and CSV."),
 ):
     """Leaderboard and plots (quality vs budget, memory vs quality, NIAH heatmaps) as one offline HTML page."""

@@ -7,6 +7,10 @@ policy hyper-parameters, layout, block size, prefill, query-aware, decode evicti
 reference is the `full` run of its setting that shares the most of those ways of running, and each
 series gets its area under the quality-vs-budget curve (`evalkit.report.leaderboard.quality_auc`).
 
+The runs may come from several results folders, read together; a run id found in more than one is the
+same run (the id hashes the config fields that make the run), shown from the first folder given that
+holds it complete.
+
 The page: the leaderboard (`evalkit.report.leaderboard`), the plots of each setting
 (`evalkit.report.plots` draws what `_lines` and `_block_size_lines` choose), the runs' heatmaps and
 first predictions, from `assets/index.html.j2`; the command is `evalkit.report.command`.
@@ -20,6 +24,7 @@ import math
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -38,7 +43,10 @@ from evalkit.report.leaderboard import AUC_DEFINITION, COLUMNS, display, leaderb
 from evalkit.results import RunDir, check_writable_folder, read_json
 from evalkit.uncertainty import Interval, score_interval
 
-_PREDICTIONS_SHOWN = 20
+# Each run's first 20 predictions; past 50 runs the runs share 1,000 (at least one each), so that a large store's
+# page grows by its leaderboard rows, not by 20 predictions of up to 128 generated tokens a run.
+_PREDICTIONS_PER_RUN = 20
+_PREDICTIONS_ON_PAGE = 1000
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s")  # metrics the report computes with, when present
@@ -77,9 +85,26 @@ class Entry:
         return value / base if value is not None and base else None
 
 
-def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
-    """Complete runs with a score under `runs`, and why others were left out (naming the file at fault).
-    Everything the report shows is read here, before anything is written."""
+def load_entries(folders: Sequence[Path]) -> tuple[list[Entry], list[str]]:
+    """Complete runs with a score under the results `folders`, and why others were left out (naming the file
+    at fault). Everything the report shows is read here, before anything is written."""
+    entries, skipped = [], []
+    for runs in folders:
+        found, reasons = _read_folder(runs)
+        entries += found
+        # One folder is named on the page already; with several, each reason says which folder it is about.
+        skipped += reasons if len(folders) == 1 else [f"{runs}: {reason}" for reason in reasons]
+    entries = _each_run_once(entries, skipped)
+    _place(entries)
+    marks = significance(entries, lambda e: e.records if e.interval is not None else [], _label,
+                         fields_where(report="variant"))
+    for e in entries:
+        e.marks = marks.get(e.run_id)
+    return entries, skipped
+
+
+def _read_folder(runs: Path) -> tuple[list[Entry], list[str]]:
+    """The complete runs of one results folder, and why its other run folders were left out."""
     entries, skipped = [], []
     for metrics_path in sorted(Path(runs).glob("*/metrics.json")):
         folder = metrics_path.parent
@@ -110,12 +135,19 @@ def load_entries(runs: Path) -> tuple[list[Entry], list[str]]:
                         if not config.with_name("metrics.json").exists())
     if incomplete:  # a run still going, or stopped: its numbers would not be the run's
         skipped.append(f"incomplete runs (no metrics.json yet): {', '.join(incomplete)}")
-    _place(entries)
-    marks = significance(entries, lambda e: e.records if e.interval is not None else [], _label,
-                         fields_where(report="variant"))
-    for e in entries:
-        e.marks = marks.get(e.run_id)
     return entries, skipped
+
+
+def _each_run_once(entries: list[Entry], skipped: list[str]) -> list[Entry]:
+    """The first entry of each run id (folders in the order given); each later one named in `skipped`. The id
+    hashes the config fields that make the run, so a second copy is the same run; the paired tests key on it."""
+    kept: dict[str, Entry] = {}
+    for e in entries:
+        if e.run_id in kept:
+            skipped.append(f"{e.folder}: the same run id as {kept[e.run_id].folder}, which is shown")
+        else:
+            kept[e.run_id] = e
+    return list(kept.values())
 
 
 def _interval(metrics: dict, records: list[dict]) -> Interval | None:
@@ -208,19 +240,18 @@ class Written:
     skipped: list[str] = field(default_factory=list)
 
 
-def build_report(runs: Path, output: str | Path) -> Written:
-    """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv.
-    Built in a scratch folder and moved into `output` only when whole (index.html last): a failure leaves
-    `output` as it was."""
-    if not Path(runs).is_dir():
-        raise EvalkitError(f"no results folder {str(runs)!r}")
+def build_report(runs: Path | Sequence[Path], output: str | Path) -> Written:
+    """index.html (leaderboard, interactive plots, heatmaps, predictions), PNG plots and leaderboard.csv, from
+    one results folder or several. Built in a scratch folder and moved into `output` only when whole
+    (index.html last): a failure leaves `output` as it was."""
+    folders = _results_folders(runs)
     check_writable_folder(output, "-o")  # before Path(""), which is the current folder
     output = Path(output)
-    entries, skipped = load_entries(runs)
+    entries, skipped = load_entries(folders)
     if not entries:
-        raise EvalkitError(f"no complete runs with a score under {str(runs)!r}")
+        raise EvalkitError(f"no complete runs with a score under {', '.join(repr(str(f)) for f in folders)}")
     with tempfile.TemporaryDirectory(prefix="evalkit-report-") as scratch:
-        written = _write_report(runs, entries, skipped, Path(scratch))
+        written = _write_report(folders, entries, skipped, Path(scratch))
         output.mkdir(parents=True, exist_ok=True)
         for pattern in _GENERATED:  # a previous report's plots of settings no longer present
             for stale in output.glob(pattern):
@@ -231,7 +262,21 @@ def build_report(runs: Path, output: str | Path) -> Written:
     return written
 
 
-def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: Path) -> Written:
+def _results_folders(runs: Path | Sequence[Path]) -> list[Path]:
+    """The results folders in the order given, each once (a folder named twice would repeat every run)."""
+    given = [Path(runs)] if isinstance(runs, (str, Path)) else [Path(folder) for folder in runs]
+    if not given:
+        raise EvalkitError("no results folder given")
+    for folder in given:
+        if not folder.is_dir():
+            raise EvalkitError(f"no results folder {str(folder)!r}")
+    unique: dict[Path, Path] = {}
+    for folder in given:
+        unique.setdefault(folder.resolve(), folder)
+    return list(unique.values())
+
+
+def _write_report(folders: list[Path], entries: list[Entry], skipped: list[str], output: Path) -> Written:
     rows = leaderboard_rows(entries)
     write_csv(rows, output / "leaderboard.csv")
     settings = list(dict.fromkeys(r["setting"] for r in rows))
@@ -262,21 +307,28 @@ def _write_report(runs: Path, entries: list[Entry], skipped: list[str], output: 
 
     table = [[display(row[key], kind, row["lower_is_better"]) for _, key, kind in COLUMNS] for row in rows]
     template = (files("evalkit.report") / "assets" / "index.html.j2").read_text()
+    shown = predictions_per_run(len(entries))
     html = jinja2.Environment(autoescape=True).from_string(template).render(
-        columns=[heading for heading, _, _ in COLUMNS], table=table, plots=plots, heatmaps=heatmaps,
-        predictions=[_predictions(e) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],
-        runs=str(runs), skipped=skipped, plotly_js=Markup(plotly.offline.get_plotlyjs()),
+        columns=[heading for heading, _, _ in COLUMNS], headline=[key for _, key, _ in COLUMNS].index("auc"),
+        table=table, plots=plots, heatmaps=heatmaps,
+        predictions=[_predictions(e, shown) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],
+        runs=[str(folder) for folder in folders], skipped=skipped, plotly_js=Markup(plotly.offline.get_plotlyjs()),
         auc_definition=AUC_DEFINITION)
     index = output / "index.html"
     index.write_text(html)
     return Written(index, len(entries), len(plots), len(heatmaps), skipped)
 
 
-def _predictions(e: Entry) -> dict:
+def predictions_per_run(runs: int) -> int:
+    """How many of each run's first predictions the page shows when it has `runs` runs."""
+    return max(1, min(_PREDICTIONS_PER_RUN, _PREDICTIONS_ON_PAGE // runs))
+
+
+def _predictions(e: Entry, count: int) -> dict:
     shown = [{"id": _text(record.get("id")),
               "score": display(record.get("score"), "pct")[0] if _is_number(record.get("score")) else "—",
               "prediction": str(record.get("prediction", "")), "references": _text(record.get("references"))}
-             for record in e.records[:_PREDICTIONS_SHOWN]]
+             for record in e.records[:count]]
     return {"title": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id, "records": shown,
             "samples": e.metrics.get("samples")}
 
