@@ -22,7 +22,8 @@ _STATISTICS_TILE = (128, 512)  # (queries, keys) of a causal statistics tile: 0.
 _LOG2_E = 1.4426950408889634
 
 
-def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0):
+def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0,
+                        keys_in_order=False):
     """Attention of new queries over kept slots, in torch; the CPU path and the kernels' reference.
 
     q: [B, H_q, T, D], q_pos/q_valid: [B, T]; k, v: [B, H_kv, N, D], k_pos: [B, H_kv, N] (-1 = empty), or
@@ -30,7 +31,9 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     Returns out: [B, T, H_q, D] and, when `collect` is set, stats: [B, H_kv, N] float32 = each slot's
     probability summed over the valid queries ("attention") or over the last `window` valid queries of
     each row ("window"), averaged over the G = H_q / H_kv query heads.
-    Queries are processed in blocks so memory stays O(T_block * N), never T * N for long prompts.
+    Queries are processed in blocks so memory stays O(T_block * N), never T * N for long prompts; with
+    `keys_in_order` (slot i holds the i-th new token) a block reads only the keys its queries may see
+    (`_key_range`).
     """
     B, H_q, T, D = q.shape
     H_kv, N = k.shape[1], k.shape[2]
@@ -58,30 +61,42 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     all_valid = bool(q_valid.all())  # then every query sees at least itself: it was appended first
     for start in range(0, T, block):
         stop = min(T, start + block)
+        first, end = _key_range(start, stop, N, sliding_window) if keys_in_order else (0, N)
+        n = end - first
+        k_block, v_block = k[:, :, first:end], v[:, :, first:end]  # [B, H_kv, n, D]
         allowed = None  # every slot visible
-        if k_pos is not None:  # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, N]
-            allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :], sliding_window)
+        if k_pos is not None:  # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, n]
+            allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, first:end],
+                              sliding_window)
             if not all_valid:  # a padding query may see no slot; let it see all rather than produce NaN
                 allowed |= ~allowed.any(-1, keepdim=True)
         q_block = q[:, :, :, start:stop]  # [B, H_kv, G, t, D]
-        if stats is None:
-            mask = None if allowed is None else allowed.expand(B, H_kv, G, stop - start, N).reshape(B, H_q, stop - start, N)
-            o = F.scaled_dot_product_attention(q_block.reshape(B, H_q, stop - start, D), k, v, attn_mask=mask,
-                                               scale=scaling, enable_gqa=True)
-            out[:, :, :, start:stop] = o.view(B, H_kv, G, stop - start, D)
-            continue
         t = stop - start
+        if stats is None:
+            mask = None if allowed is None else allowed.expand(B, H_kv, G, t, n).reshape(B, H_q, t, n)
+            o = F.scaled_dot_product_attention(q_block.reshape(B, H_q, t, D), k_block, v_block, attn_mask=mask,
+                                               scale=scaling, enable_gqa=True)
+            out[:, :, :, start:stop] = o.view(B, H_kv, G, t, D)
+            continue
         # Queries of a group stacked as rows: one matmul per KV head, K and V never repeated.
-        scores = torch.matmul(q_block.reshape(B, H_kv, G * t, D), k.transpose(-1, -2)).view(B, H_kv, G, t, N)
+        scores = torch.matmul(q_block.reshape(B, H_kv, G * t, D), k_block.transpose(-1, -2)).view(B, H_kv, G, t, n)
         scores = scores.mul_(scaling)  # in place: no second score block
         if allowed is not None:
             scores.masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
+        out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, n), v_block).view(B, H_kv, G, t, D)
         if not all_valid:
             probs = probs * q_valid[:, None, None, start:stop, None]
-        stats += probs.float().sum(dim=3).mean(dim=2)
+        stats[..., first:end] += probs.float().sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
+
+
+def _key_range(start: int, stop: int, N: int, sliding_window) -> tuple[int, int]:
+    """(first, end): the slots that queries start..stop - 1 may read when slot i holds the i-th new token
+    (a prompt, padding on the left): none after the block's last query, none a window or more before its
+    first. Slots outside are masked anyway: leaving them out changes no probability."""
+    first = max(0, start - sliding_window + 1) if sliding_window else 0
+    return first, min(N, stop)
 
 
 def decode_attention(q, k, v, scaling, mask=None):
@@ -125,7 +140,7 @@ def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, coun
     B, H_kv, T = k.shape[0], k.shape[1], k.shape[2]
     k_pos = q_pos.masked_fill(~q_valid, -1)[:, None, :].expand(B, H_kv, T)
     if not _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):  # padded rows, a window shorter than T
-        out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
+        out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window, keys_in_order=True)
         return out, attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window, counted, keys_in_order=True)
     route = prefill_route(q, kernels)
     if route == "sdpa":
@@ -249,7 +264,7 @@ def attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window=None, count
 
     A second pass beside the attention output, in query blocks of O(block * N) memory; a block none of
     the masks counts is skipped, and with `keys_in_order` (slot i holds the i-th new token) a block's
-    queries read only the keys up to their own, the causal half. Block edges are fixed by the shapes
+    queries read only the keys they may see (`_key_range`: the causal half, within the window). Block edges are fixed by the shapes
     alone, so a statistic comes out the same whichever others are asked for with it.
     """
     B, H_q, T, D = q.shape
@@ -265,19 +280,21 @@ def attention_statistics(q, q_pos, k, k_pos, scaling, sliding_window=None, count
         stop = min(T, start + block)
         if not any(rows[start:stop]):
             continue
-        t, n = stop - start, (stop if keys_in_order else N)
+        first, end = _key_range(start, stop, N, sliding_window) if keys_in_order else (0, N)
+        t, n = stop - start, end - first
         # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, n]
-        allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, :n], sliding_window)
+        allowed = visible(q_pos[:, None, None, start:stop, None], k_pos[:, :, None, None, first:end], sliding_window)
         allowed |= ~allowed.any(-1, keepdim=True)  # a padding query sees nothing: let it see all, not NaN
-        scores = torch.matmul(q[:, :, :, start:stop].reshape(B, H_kv, G * t, D), k[:, :, :n].transpose(-1, -2))
+        scores = torch.matmul(q[:, :, :, start:stop].reshape(B, H_kv, G * t, D),
+                              k[:, :, first:end].transpose(-1, -2))
         scores = scores.view(B, H_kv, G, t, n).mul_(scaling).masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [B, H_kv, G, t, n]
         for total, mask in zip(stats, counted):
             rows_here = mask[:, start:stop]  # [B, t]
             if bool(rows_here.all()):
-                total[..., :n] += probs.sum(dim=3).mean(dim=2)
+                total[..., first:end] += probs.sum(dim=3).mean(dim=2)
             elif bool(rows_here.any()):
-                total[..., :n] += (probs * rows_here[:, None, None, :, None]).sum(dim=3).mean(dim=2)
+                total[..., first:end] += (probs * rows_here[:, None, None, :, None]).sum(dim=3).mean(dim=2)
     return stats
 
 

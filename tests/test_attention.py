@@ -366,6 +366,35 @@ def test_query_blocking(gen, monkeypatch, G, collect, block):
 
 
 @pytest.mark.parametrize("G", GROUPS)
+@pytest.mark.parametrize("pad", [[0, 0], [0, 5]], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("window", [3, 8], ids=["window 3", "window 8"])
+def test_a_prompt_longer_than_its_window_reads_only_the_keys_in_range_and_matches_naive(gen, monkeypatch, G,
+                                                                                       pad, window):
+    """A sliding-window layer's prompt (Gemma 3): each query block reads only the keys from a window before its
+    first query to its last (`_key_range`); output and statistics match naive attention over every key, over
+    several query blocks whose key ranges overlap and start past slot 0."""
+    T, H_kv, B = 19, 2, 2
+    q_pos = torch.arange(T).repeat(B, 1) - torch.tensor(pad)[:, None]
+    q_valid = q_pos >= 0
+    q_pos = q_pos.clamp_min(0)
+    k_pos = q_pos.masked_fill(~q_valid, -1)[:, None, :].expand(B, H_kv, T).contiguous()
+    case = Case(make_queries(gen, B, T, G * H_kv), q_pos, q_valid, gen.randn(B, H_kv, T, D),
+                gen.randn(B, H_kv, T, D), k_pos, window, gen.seed)
+    monkeypatch.setattr(attention_ops, "_ELEMENTS_PER_BLOCK", 4 * B * G * H_kv * T)  # 4 queries a block
+    monkeypatch.setattr(attention_ops, "_STATISTICS_ELEMENTS", 3 * B * G * H_kv * T)  # 3 queries a block
+    read = []
+    key_range = attention_ops._key_range
+    monkeypatch.setattr(attention_ops, "_key_range", lambda *a: read.append(key_range(*a)) or read[-1])
+    out, (stats,) = attention_ops.prompt_attention(case.q, q_pos, q_valid, case.k, case.v, SCALING, window,
+                                                   counted=[q_valid])
+    want_out, want_stats = naive(case)
+    assert_rel_close(out[q_valid], want_out[q_valid], "output of valid queries", case.seed)
+    assert_rel_close(stats, want_stats, "statistic", case.seed)
+    assert (max(0, 4 - window + 1), 8) in read, read  # the output's block of queries 4..7
+    assert all(end - first <= window - 1 + 4 for first, end in read), read  # at most a window and a block
+
+
+@pytest.mark.parametrize("G", GROUPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_fresh_prompt_attends_bit_for_bit_as_sdpa_with_grouped_heads(gen, G, dtype):
     """The prompt's own attention (the flash kernel, K/V never repeated) is what HF's sdpa attention
