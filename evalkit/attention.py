@@ -99,13 +99,13 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     layer.append(key, value, plan.positions, plan.valid)
     view = layer.read(trim=True)
     # One new token over a packed cache sees every slot: each holds an older token (no window to fall out of).
-    visible = None if view.all_live and query.shape[2] == 1 and not sliding_window else view.pos
+    k_pos = None if view.all_live and query.shape[2] == 1 and not sliding_window else view.pos
     if plan.attend_filter is not None:
         read = plan.attend_filter(module.layer_idx, query[:, :, -1], view.k, view.pos)
-        visible = view.pos.masked_fill(~read, -1)
+        k_pos = view.pos.masked_fill(~read, -1)
         plan.attended += read.sum((1, 2)).cpu()
         plan.available += (view.pos >= 0).sum((1, 2)).cpu()
-    out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, visible,
+    out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, k_pos,
                                      scaling, sliding_window, plan.collect, plan.window)
     if plan.collect is not None:
         store_statistic(layer, view.index, plan.collect, stats, plan.valid)

@@ -38,6 +38,8 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     B, H_q, T, D = q.shape
     H_kv, N = k.shape[1], k.shape[2]
     G = H_q // H_kv
+    # Slot i is the i-th new token only for a prompt's own K/V, whose statistic `attention_statistics` computes.
+    assert not keys_in_order or (k_pos is not None and N == T and collect is None), "keys_in_order: a prompt's K/V"
     if collect == "window":  # only the window's queries need probabilities: the rest takes a fast path
         counted = window_queries(q_pos, q_valid, window)
         first = int(counted.any(0).nonzero()[0]) if bool(counted.any()) else T
