@@ -4,34 +4,44 @@
     python scripts/granularity_tables.py runs/study --summary-only                  # the summary table alone
     python scripts/granularity_tables.py runs/study --summary-only --plots report/granularity   # + one PNG a family
 
-Runs are grouped by setting: model, prompt length, task and query mode (block 16 only). A run still going is
-shown with the samples it has finished; one that has finished none is left out. A setting whose full cache
-scores below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even without eviction, so what
-the policies score there says nothing about eviction.
+Runs are grouped by setting (block 16 only) as `evalkit report` reads a config: its setting fields (task,
+length, samples, model, seed, dtype, the data's offset and digest: what makes the prompts and references)
+and its variant fields but granularity (query mode, prefill, chunk size, decode eviction, policy arguments,
+sliding layers, layout, block size, page pool), so that runs paired on a sample id hold the same sample.
+Headings name the task, length, model and query mode, and any other field that differs between the
+settings shown. Within a setting a run is its policy's (scorer, granularity) (`policy_family`: aliases and
+`--granularity` runs count as the preset they run) at a budget; two runs there are an error. Each
+setting's reference is the full-cache run of its `RunConfig.full_cache`. A run still going is shown with
+the samples it has finished; one that has finished none is left out. A setting whose full cache scores
+below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even without eviction, so what the
+policies score there says nothing about eviction.
 
 Printed in order:
-- the summary: per task family (TASK_FAMILIES), task, length, model, query mode, scorer and budget, the
-  full cache's and the four granularities' scores, the three paired comparisons that answer the study's
-  question (head_page − head, head_page − page, head_page − token) and the verdict of per-head pages
-  against per-head tokens (a win or a loss only where significant);
+- the summary: per task family (TASK_FAMILIES), task, length, model, query mode, scorer and budget that
+  has a run, the full cache's and the four granularities' scores (each on every sample its run finished),
+  the three paired comparisons that answer the study's question (head_page − head, head_page − page,
+  head_page − token, each with n, the samples both runs finished, that it is computed on) and the verdict
+  of per-head pages against per-head tokens: head_page − head's p, Holm-adjusted once more across the
+  summary's rows (`verdicts`), decides a win or a loss; otherwise no difference was detected;
 - per setting: score per policy (scorer x granularity) and budget with its 95 % interval, then per cell
   the KV held over the full cache, held over ideal (tokens kept), and the prefill compression time;
-- per setting, the paired tests (`paired_tests`; the summary shows the same numbers): each granularity
-  against each other one of the same scorer and budget, and each against the full cache, on the samples
-  both runs finished: exact McNemar for pass/fail scores (a paired bootstrap where scores are fractions,
-  as `evalkit.uncertainty.compare` chooses), Holm-adjusted within a scorer x budget as `evalkit report`
-  does;
+- per setting, the paired tests (`SettingRuns.paired`; the summary shows the same numbers): each
+  granularity against each other one of the same scorer and budget, and each against the full cache, on
+  the samples both runs finished: exact McNemar for pass/fail scores (a paired bootstrap where scores are
+  fractions, as `evalkit.uncertainty.compare` chooses), Holm-adjusted over these ten within a scorer x
+  budget, a comparison that cannot be made counting as p = 1;
 - the block-size slice, where the folders hold more than one block size.
 A cell of a shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`;
 the full cache's cell of the same sample shares the forward and compresses nothing, so the difference,
 averaged over samples, is the compression's time (plus the fork's noise).
 
-`--plots DIR` writes, per task family, model, length and query mode,
-`granularity-<family>-<model>-<length>-<mode>.png`: one panel per scorer, the family's score against the
+`--plots DIR` writes, per task family and setting but task,
+`granularity-<family>-<model>-<length>-<mode>.png` (then the setting's other fields that differ between
+the settings shown, if any): one panel per scorer, the family's score against the
 budget, one line per granularity, pooled over the family's tasks (the mean over their samples) with the
 pooled samples' 95 % interval (`score_interval`: Wilson for pass/fail scores), and the full cache dashed.
 Tasks whose full cache scores below FULL_CACHE_FLOOR are left out (the title names them); a point is drawn
-only where every task kept has the cell, so the lines always average the same tasks.
+only where every task kept has the cell, so the lines always average the same tasks (`family_plots`).
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ import argparse
 import functools
 import json
 import re
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -48,6 +60,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from statsmodels.stats.multitest import multipletests
 
+from evalkit.config import RunConfig, fields_where
+from evalkit.errors import EvalkitError
+from evalkit.policies.base import policy_family, policy_label
 from evalkit.results import RunDir
 from evalkit.uncertainty import ALPHA, Comparison, compare, score_interval
 
@@ -75,10 +90,21 @@ COMPARISONS = PAIRS + tuple((granularity, "full") for granularity in GRANULARITY
 # The study's question: per-head pages against per-head tokens, against shared pages, and pages against tokens.
 SUMMARY_PAIRS = (("head_page", "head"), ("head_page", "page"), ("head_page", "token"))
 
+# The fields that make a setting, as `evalkit report` reads a config (`evalkit.config.setting`): the setting
+# fields (the prompts and references: a sample id names the same sample only under the same seed, offset
+# and data) and the variant fields (how the policy ran), but granularity, the study's own axis.
+SETTING_FIELDS = fields_where(report="setting") + tuple(k for k in fields_where(report="variant")
+                                                         if k != "granularity")
+_HEADING_FIELDS = ("model", "length", "task", "query_aware")  # always named; the others where they differ
+# A field missing from an older run's config ran at its default (`RunConfig.identity` leaves such fields
+# out of the id for that reason), so it must not split that run from a newer one.
+_DEFAULTS = RunConfig().to_dict()
+
 
 def load(folders: list[str]) -> list[dict]:
     """Every run folder with at least one finished sample; one still running (no metrics.json yet) is
-    summarised from its finished samples."""
+    summarised from its finished samples. Its config holds every RunConfig field; a policy run is its
+    (scorer, granularity) as `policy_family` says."""
     runs = []
     for folder in folders:
         for predictions in sorted(Path(folder).glob("*/predictions.jsonl")):
@@ -86,24 +112,20 @@ def load(folders: list[str]) -> list[dict]:
             records = RunDir(folder, run.name).predictions()  # skips a last line still being written
             if not records:
                 continue
-            config = json.loads((run / "config.json").read_text())["config"]
+            stored = json.loads((run / "config.json").read_text())["config"]
+            config = {name: stored.get(name, default) for name, default in _DEFAULTS.items()}
             if (run / "metrics.json").exists():
                 metrics = json.loads((run / "metrics.json").read_text())
             else:
                 held, full, ideal = (sum(r[k] for r in records) for k in ("bytes_held", "bytes_full", "bytes_ideal"))
                 metrics = {"samples": len(records), "score": sum(r["score"] for r in records) / len(records),
                            "held_over_full": held / full, "held_over_ideal": held / ideal}
-            runs.append({"config": config, "metrics": metrics, "records": records,
+            scorer, granularity = (None, None) if config["policy"] == "full" else \
+                policy_family(config["policy"], config["granularity"])
+            runs.append({"folder": run, "config": config, "metrics": metrics, "records": records,
+                         "scorer": scorer, "granularity": granularity,  # a StrEnum: equal to its name
                          "prefill": {r["id"]: r["prefill_seconds"] for r in records}})
     return runs
-
-
-def split_policy(policy: str) -> tuple[str, str | None]:
-    """(scorer, granularity) of a `<scorer>_<granularity>` preset; (policy, None) for any other policy."""
-    for granularity in sorted(GRANULARITY_ORDER, key=len, reverse=True):  # `_head_page` before `_page`
-        if policy.endswith(f"_{granularity}"):
-            return policy[: -len(granularity) - 1], granularity
-    return policy, None
 
 
 def family_of(task: str) -> str:
@@ -111,15 +133,19 @@ def family_of(task: str) -> str:
 
 
 class Setting(NamedTuple):
+    """Runs that can be compared: the four fields headings name, then the other SETTING_FIELDS as (name,
+    JSON text) pairs."""
     model: str
     length: int
     task: str
     query_aware: bool
+    others: tuple[tuple[str, str], ...]
 
     @classmethod
-    def of(cls, run: dict) -> Setting:
-        config = run["config"]
-        return cls(config["model"], config["length"], config["task"], config["query_aware"])
+    def of(cls, config: dict, leave_out: tuple[str, ...] = ()) -> Setting:
+        others = tuple((name, json.dumps(config[name], sort_keys=True, default=str)) for name in SETTING_FIELDS
+                       if name not in _HEADING_FIELDS + leave_out)
+        return cls(config["model"], config["length"], config["task"], config["query_aware"], others)
 
     @property
     def mode(self) -> str:
@@ -129,25 +155,59 @@ class Setting(NamedTuple):
         return f"{self.task}, {self.length:,} tokens, {self.model}, {self.mode}"
 
 
+def differences(settings: Iterable[Setting]) -> dict[Setting, str]:
+    """Per setting, its other fields that differ among `settings` (`seed=1, samples=20`; "" where none do),
+    so that no two settings shown read alike."""
+    settings = list(settings)
+    differing = [name for name, _ in settings[0].others
+                 if len({dict(s.others)[name] for s in settings}) > 1] if settings else []
+    return {s: ", ".join(f"{name}={value}" for name, value in s.others if name in differing) for s in settings}
+
+
+def _index(runs: Iterable[dict], key: Callable[[dict], tuple]) -> dict[tuple, dict]:
+    """`runs` by `key`; an EvalkitError naming both runs where two share one (the table would show either)."""
+    indexed: dict[tuple, dict] = {}
+    for run in runs:
+        other = indexed.setdefault(key(run), run)
+        if other is not run:
+            raise EvalkitError(f"{other['folder']} and {run['folder']} are runs of the same setting, policy and "
+                               "budget: the tables would show only one of them")
+    return indexed
+
+
 @dataclass(frozen=True)
 class Paired:
     difference: float  # score of the first run minus the second's on their shared samples, a fraction
     p_value: float  # Holm-adjusted within the scorer x budget's COMPARISONS
+    samples: int  # the samples both runs finished, that the difference and the test are on
 
     @property
     def significant(self) -> bool:
         return self.p_value < ALPHA
 
     def __str__(self) -> str:
-        text = f"{100 * self.difference:+.0f} (p = {self.p_value:.2g})"
+        text = f"{100 * self.difference:+.0f} (p = {self.p_value:.2g}, n = {self.samples})"
         return f"**{text}**" if self.significant else text
 
 
 @dataclass
 class SettingRuns:
     setting: Setting
+    differs: str  # the setting's fields beyond the heading's four that differ among the settings shown
     full: dict | None
-    cells: list[dict]  # every run but the full cache's
+    cells: list[dict]  # every run but the full cache's; at least one
+
+    @property
+    def name(self) -> str:
+        return f"{self.setting}{self._differs}"
+
+    @property
+    def mode(self) -> str:
+        return f"{self.setting.mode}{self._differs}"
+
+    @property
+    def _differs(self) -> str:
+        return f" ({self.differs})" if self.differs else ""
 
     @property
     def cannot_do_task(self) -> bool:
@@ -158,11 +218,11 @@ class SettingRuns:
         return f"{score} — {FULL_CACHE_WARNING}" if self.cannot_do_task else score
 
     def cell(self, scorer: str, granularity: str, budget: float) -> dict | None:
-        return self._by_policy_and_budget.get((f"{scorer}_{granularity}", budget))
+        return self._by_policy_and_budget.get((scorer, granularity, budget))
 
     @functools.cached_property
-    def _by_policy_and_budget(self) -> dict[tuple[str, float], dict]:
-        return {(r["config"]["policy"], r["config"]["budget"]): r for r in self.cells}
+    def _by_policy_and_budget(self) -> dict[tuple[str, str, float], dict]:
+        return {(r["scorer"], r["granularity"], r["config"]["budget"]): r for r in self.cells}
 
     @property
     def budgets(self) -> list[float]:
@@ -170,23 +230,20 @@ class SettingRuns:
 
     @property
     def scorers(self) -> list[str]:
-        return sorted({scorer for scorer, granularity in (split_policy(r["config"]["policy"]) for r in self.cells)
-                       if granularity is not None})
+        return sorted({r["scorer"] for r in self.cells})
 
     @functools.cached_property  # the summary and the paired tables show the same tests: run them once
     def paired(self) -> dict[tuple[str, float], dict[tuple[str, str], Paired | None]]:
-        """Per (scorer, budget), every pair of COMPARISONS, Holm-adjusted together; None where a run is
-        missing or the two share fewer than two finished samples."""
+        """Per (scorer, budget) with at least one run, every pair of COMPARISONS (None where a run is missing
+        or the two share fewer than two finished samples), Holm-adjusted over all ten: one that cannot be
+        made counts as p = 1, so a missing run never shrinks the family and flatters the others."""
         tests = {}
-        for scorer in self.scorers:
-            for budget in self.budgets:
-                runs = {g: self.cell(scorer, g, budget) for g in GRANULARITY_ORDER} | {"full": self.full}
-                results = {pair: _compare_shared(runs[pair[0]], runs[pair[1]]) for pair in COMPARISONS}
-                done = [pair for pair, result in results.items() if result is not None]
-                adjusted = multipletests([results[pair].p_value for pair in done], method="holm")[1] if done else []
-                holm = dict(zip(done, adjusted))
-                tests[scorer, budget] = {pair: Paired(results[pair].difference, float(holm[pair])) if pair in holm
-                                         else None for pair in COMPARISONS}
+        for scorer, budget in sorted({(r["scorer"], r["config"]["budget"]) for r in self.cells}):
+            runs = {g: self.cell(scorer, g, budget) for g in GRANULARITY_ORDER} | {"full": self.full}
+            results = [_compare_shared(runs[a], runs[b]) for a, b in COMPARISONS]
+            adjusted = multipletests([r.p_value if r else 1.0 for r in results], method="holm")[1]
+            tests[scorer, budget] = {pair: Paired(r.difference, float(p), r.n) if r else None
+                                     for pair, r, p in zip(COMPARISONS, results, adjusted)}
         return tests
 
 
@@ -202,51 +259,73 @@ def _compare_shared(a: dict | None, b: dict | None) -> Comparison | None:
 
 
 def group(runs: list[dict]) -> list[SettingRuns]:
-    """The study's runs (block STUDY_BLOCK_SIZE) by setting: query-aware first, then by model, length, task."""
+    """The study's policy runs (block STUDY_BLOCK_SIZE) by Setting, each with the full-cache run of its
+    `RunConfig.full_cache` (same samples and settings, no policy arguments); query-aware first, then by
+    model, length, task. An EvalkitError where two runs share a setting, policy and budget."""
+    fulls = _index((r for r in runs if r["config"]["policy"] == "full"), lambda r: Setting.of(r["config"]))
+    cells = _index((r for r in runs if r["config"]["policy"] != "full"
+                    and r["config"]["block_size"] == STUDY_BLOCK_SIZE),
+                   lambda r: (Setting.of(r["config"]), r["scorer"], r["granularity"], r["config"]["budget"]))
     by_setting: dict[Setting, list[dict]] = {}
-    for run in runs:
-        if run["config"]["block_size"] == STUDY_BLOCK_SIZE:
-            by_setting.setdefault(Setting.of(run), []).append(run)
-    order = sorted(by_setting, key=lambda s: (not s.query_aware, s.model, s.length, s.task))
-    return [SettingRuns(setting, next((r for r in by_setting[setting] if r["config"]["policy"] == "full"), None),
-                        [r for r in by_setting[setting] if r["config"]["policy"] != "full"]) for setting in order]
+    for (setting, *_), run in cells.items():
+        by_setting.setdefault(setting, []).append(run)
+    differs = differences(by_setting)
+    order = sorted(by_setting, key=lambda s: (not s.query_aware, s.model, s.length, s.task, s.others))
+    # Any cell names the full cache: a setting fixes every field `full_cache` keeps or resets.
+    return [SettingRuns(setting, differs[setting], fulls.get(_full_cache_setting(by_setting[setting][0])),
+                        by_setting[setting]) for setting in order]
+
+
+def _full_cache_setting(run: dict) -> Setting:
+    return Setting.of(RunConfig(**run["config"]).full_cache().to_dict())
 
 
 def summary(groups: list[SettingRuns]) -> str:
-    rows = []
-    for here in groups:
+    """One row per setting, scorer and budget with a run (see the module's docstring); the mode column
+    carries the setting's other fields that differ, as the headings do."""
+    rows = [(here, scorer, budget, tests) for here in groups for (scorer, budget), tests in here.paired.items()]
+    lines = []
+    for (here, scorer, budget, tests), verdict in zip(rows, verdicts([tests["head_page", "head"]
+                                                                      for *_, tests in rows])):
         setting, family = here.setting, family_of(here.setting.task)
         full = "–" if here.full is None else \
             f"{100 * here.full['metrics']['score']:.0f}" + (" ⚠" if here.cannot_do_task else "")
-        for (scorer, budget), tests in here.paired.items():
-            scores = [here.cell(scorer, g, budget) for g in GRANULARITY_ORDER]
-            order = (_family_index(family), setting.task, setting.length, setting.model, not setting.query_aware,
-                     scorer, budget)
-            rows.append((order, [family, setting.task, f"{setting.length:,}", setting.model, setting.mode,
-                                 f"`{scorer}`", str(budget), full,
-                                 *(f"{100 * r['metrics']['score']:.0f}" if r else "–" for r in scores),
-                                 *(str(tests[pair]) if tests[pair] else "–" for pair in SUMMARY_PAIRS),
-                                 _verdict(tests["head_page", "head"])]))
+        scores = [here.cell(scorer, g, budget) for g in GRANULARITY_ORDER]
+        order = (_family_index(family), setting.task, setting.length, setting.model, not setting.query_aware,
+                 setting.others, scorer, budget)
+        lines.append((order, [family, setting.task, f"{setting.length:,}", setting.model, here.mode,
+                              f"`{scorer}`", str(budget), full,
+                              *(f"{100 * r['metrics']['score']:.0f}" if r else "–" for r in scores),
+                              *(str(tests[pair]) if tests[pair] else "–" for pair in SUMMARY_PAIRS), verdict]))
     columns = ["family", "task", "length", "model", "mode", "scorer", "budget", "full", *GRANULARITY_ORDER,
                *(f"{a} − {b}" for a, b in SUMMARY_PAIRS), "per-head pages vs per-head tokens"]
-    lines = [f"**Summary** (scores in points; differences in points with Holm-adjusted p as in the paired tables; "
-             f"**bold**: p < {ALPHA:g}; ⚠: the full cache scores below {100 * FULL_CACHE_FLOOR:.0f}, the model "
-             "cannot do the task, so differences there are not eviction results)", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * 7 + "---:|" * (len(columns) - 8) + "---|"]
-    lines += ["| " + " | ".join(cells) + " |" for _, cells in sorted(rows)]
-    return "\n".join(lines) + "\n"
+    header = [f"**Summary** (scores in points, each on every sample its run finished; differences in points on the "
+              f"n samples both runs finished, with Holm-adjusted p as in the paired tables, **bold**: p < {ALPHA:g}; "
+              "the verdict's p is head_page − head's, Holm-adjusted once more across the rows; ⚠: the full cache "
+              f"scores below {100 * FULL_CACHE_FLOOR:.0f}, the model cannot do the task, so differences there are "
+              "not eviction results)", "",
+              "| " + " | ".join(columns) + " |", "|" + "---|" * 7 + "---:|" * (len(columns) - 8) + "---|"]
+    return "\n".join(header + ["| " + " | ".join(cells) + " |" for _, cells in sorted(lines)]) + "\n"
+
+
+def verdicts(tests: list[Paired | None]) -> list[str]:
+    """Per summary row, per-head pages against per-head tokens from its head_page − head test: the summary
+    asks that question once a row, so its p (already Holm-adjusted within the row's scorer x budget) is
+    Holm-adjusted again across the rows that have the test; a win or a loss only where that p < ALPHA."""
+    done = [test.p_value for test in tests if test is not None]
+    across = iter(multipletests(done, method="holm")[1] if done else ())
+    return [_verdict(test, float(next(across))) if test else "–" for test in tests]
+
+
+def _verdict(test: Paired, across_rows: float) -> str:
+    if across_rows >= ALPHA:
+        return f"no difference detected (n = {test.samples}; p = {across_rows:.2g} across rows)"
+    outcome = "per-head pages win" if test.difference > 0 else "per-head pages lose"
+    return f"{outcome} (p = {across_rows:.2g} across rows)"
 
 
 def _family_index(family: str) -> int:
     return list(TASK_FAMILIES).index(family) if family in TASK_FAMILIES else len(TASK_FAMILIES)
-
-
-def _verdict(head_page_vs_head: Paired | None) -> str:
-    if head_page_vs_head is None:
-        return "–"
-    if not head_page_vs_head.significant:
-        return "tie"
-    return "per-head pages win" if head_page_vs_head.difference > 0 else "per-head pages lose"
 
 
 def compression_seconds(run: dict, full: dict | None) -> float | None:
@@ -261,27 +340,25 @@ def compression_seconds(run: dict, full: dict | None) -> float | None:
 def tables(groups: list[SettingRuns]) -> str:
     out = []
     for here in groups:
-        cells, full = here.cells, here.full
-        if not cells:
-            continue
-        budgets = here.budgets
-        policies = list(dict.fromkeys(r["config"]["policy"] for r in sorted(cells, key=_policy_order)))
+        cells, full, budgets = here.cells, here.full, here.budgets
         samples = {r["metrics"]["samples"] for r in (*cells, *([full] if full else []))}
-        out.append(f"**{here.setting}** ({'/'.join(map(str, sorted(samples)))} samples a cell; "
-                   f"{here.full_cache_note()})" if full else f"**{here.setting}**")
+        out.append(f"**{here.name}** ({'/'.join(map(str, sorted(samples)))} samples a cell; "
+                   f"{here.full_cache_note()})" if full else f"**{here.name}**")
         out.append("")
         out.append("| policy | " + " | ".join(f"score @ {b}" for b in budgets) + " | held / full | held / ideal | "
                    "compression (s) |")
         out.append("|---|" + "---:|" * (len(budgets) + 3))
-        for policy in policies:
-            row = {r["config"]["budget"]: r for r in cells if r["config"]["policy"] == policy}
-            scores = [_score_with_interval(row[b]) if b in row else "–" for b in budgets]
-            spread = [row[b] for b in budgets if b in row]
+        for scorer, granularity in sorted({(r["scorer"], r["granularity"]) for r in cells},
+                                          key=lambda p: (p[0], GRANULARITY_ORDER.index(p[1]))):
+            row = {b: here.cell(scorer, granularity, b) for b in budgets}
+            scores = [_score_with_interval(row[b]) if row[b] else "–" for b in budgets]
+            spread = [r for r in row.values() if r]
             held = "/".join(f"{r['metrics']['held_over_full']:.3f}" for r in spread)
             ideal = "/".join(f"{r['metrics']['held_over_ideal']:.3f}" for r in spread)
             seconds = [compression_seconds(r, full) for r in spread]
             comp = "/".join(f"{s:.2f}" if s is not None else "–" for s in seconds)
-            out.append(f"| `{policy}` | " + " | ".join(scores) + f" | {held} | {ideal} | {comp} |")
+            label = policy_label(spread[0]["config"]["policy"], spread[0]["config"]["granularity"])
+            out.append(f"| `{label}` | " + " | ".join(scores) + f" | {held} | {ideal} | {comp} |")
         out.append("")
     return "\n".join(out)
 
@@ -292,15 +369,14 @@ def _score_with_interval(run: dict) -> str:
 
 
 def paired_tables(groups: list[SettingRuns]) -> str:
-    """Per setting: for each scorer and budget, the score difference (points) of each pair of granularities
-    and of each granularity against the full cache, with its Holm-adjusted p (`SettingRuns.paired`)."""
+    """Per setting: for each scorer and budget with a run, the score difference (points) of each pair of
+    granularities and of each granularity against the full cache, with its Holm-adjusted p and the samples
+    it is on (`SettingRuns.paired`)."""
     out = []
     for here in groups:
-        if not here.cells:
-            continue
         warning = f" — {FULL_CACHE_WARNING}" if here.cannot_do_task else ""
-        out += [f"**{here.setting}: paired tests** (difference in points, Holm-adjusted p; **bold**: p < 0.05)"
-                + warning, "",
+        out += [f"**{here.name}: paired tests** (difference in points, Holm-adjusted p, shared samples n; "
+                f"**bold**: p < {ALPHA:g})" + warning, "",
                 "| scorer @ budget | " + " | ".join(f"{a} − {b}" for a, b in COMPARISONS) + " |",
                 "|---|" + "---:|" * len(COMPARISONS)]
         for (scorer, budget), tests in here.paired.items():
@@ -311,69 +387,97 @@ def paired_tables(groups: list[SettingRuns]) -> str:
 
 
 def block_table(runs: list[dict]) -> str:
-    """H2O's pages at 0.2 on `niah_single_2`, query-aware, per block size: one table per model and length
-    that has more than one block size."""
-    cells = [r for r in runs if r["config"]["policy"] in ("h2o_head_page", "h2o_page") and r["config"]["budget"] == 0.2
-             and r["config"]["query_aware"] and r["config"]["task"] == "ruler:niah_single_2"]
+    """H2O's pages at 0.2 on `niah_single_2`, query-aware, per block size: one table per setting (its block
+    size aside) that has more than one block size."""
+    cells = _index((r for r in runs if r["scorer"] == "h2o" and r["granularity"] in ("head_page", "page")
+                    and r["config"]["budget"] == 0.2 and r["config"]["query_aware"]
+                    and r["config"]["task"] == "ruler:niah_single_2"),
+                   lambda r: (Setting.of(r["config"], leave_out=("block_size",)), r["granularity"],
+                              r["config"]["block_size"]))
+    sizes: dict[Setting, set[int]] = {}
+    for setting, _, size in cells:
+        sizes.setdefault(setting, set()).add(size)
+    shown = sorted(setting for setting in sizes if len(sizes[setting]) > 1)
     out = []
-    for model, length in sorted({(r["config"]["model"], r["config"]["length"]) for r in cells}):
-        here = [r for r in cells if (r["config"]["model"], r["config"]["length"]) == (model, length)]
-        sizes = sorted({r["config"]["block_size"] for r in here})
-        if len(sizes) < 2:
-            continue
-        out += [f"**Block size: ruler:niah_single_2, {length:,} tokens, {model}, query-aware**", "",
-                "| policy @ 0.2 | " + " | ".join(f"block {s}" for s in sizes) + " |", "|---|" + "---:|" * len(sizes)]
-        for policy in ("h2o_head_page", "h2o_page"):
-            row = {r["config"]["block_size"]: r["metrics"] for r in here if r["config"]["policy"] == policy}
-            out.append(f"| `{policy}` | " + " | ".join(
-                f"{100 * row[s]['score']:.0f} ({row[s]['held_over_full']:.3f})" if s in row else "–" for s in sizes)
-                + " |")
+    for setting, differs in differences(shown).items():
+        row_sizes = sorted(sizes[setting])
+        out += [f"**Block size: {setting}" + (f" ({differs})" if differs else "") + "**", "",
+                "| policy @ 0.2 | " + " | ".join(f"block {s}" for s in row_sizes) + " |",
+                "|---|" + "---:|" * len(row_sizes)]
+        for granularity in ("head_page", "page"):
+            row = {s: cells.get((setting, granularity, s)) for s in row_sizes}
+            out.append(f"| `h2o_{granularity}` | " + " | ".join(
+                f"{100 * r['metrics']['score']:.0f} ({r['metrics']['held_over_full']:.3f})" if r else "–"
+                for r in row.values()) + " |")
         out.append("")
     return "\n".join(out)
 
 
-def _policy_order(run: dict) -> tuple:
-    scorer, granularity = split_policy(run["config"]["policy"])
-    return scorer, GRANULARITY_ORDER.index(granularity) if granularity else len(GRANULARITY_ORDER)
+@dataclass
+class FamilyPlot:
+    """What one family's plot draws (`family_plots`)."""
+    title: str
+    file_name: str
+    tasks: list[str]  # the tasks its lines average
+    left_out: list[str]  # the family's tasks whose full cache scores below FULL_CACHE_FLOOR
+    # scorer -> granularity -> budget -> (pooled score, (error below, above)), in points
+    lines: dict[str, dict[str, dict[float, tuple[float, tuple[float, float]]]]]
+    full_score: float | None  # the pooled full cache, only where it covers every task the lines average
+
+
+def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
+    """Per task family and setting but task: the family's tasks the full cache can do, pooled. A point is
+    kept only where every such task has the cell, so a line always averages the same tasks."""
+    by_plot: dict[tuple, list[SettingRuns]] = {}
+    for here in groups:
+        s = here.setting
+        by_plot.setdefault((_family_index(family_of(s.task)), s.model, s.length, not s.query_aware, s.others),
+                           []).append(here)
+    plots = []
+    for key in sorted(by_plot):
+        members = by_plot[key]
+        family, first = family_of(members[0].setting.task), members[0]
+        kept = [m for m in members if not m.cannot_do_task]
+        budgets = sorted({b for m in kept for b in m.budgets})
+        lines = {}
+        for scorer in sorted({scorer for m in kept for scorer in m.scorers}):
+            lines[scorer] = {}
+            for granularity in GRANULARITY_ORDER:
+                cells = {b: [m.cell(scorer, granularity, b) for m in kept] for b in budgets}
+                lines[scorer][granularity] = {b: _pooled(found) for b, found in cells.items() if all(found)}
+        full_score = None
+        if kept and all(m.full for m in kept):
+            records = [r for m in kept for r in m.full["records"]]
+            full_score = 100 * sum(r["score"] for r in records) / len(records)
+        name = "-".join([_slug(family), first.setting.model, str(first.setting.length), first.setting.mode,
+                         *([_slug(first.differs)] if first.differs else [])])
+        plots.append(FamilyPlot(f"{family}: {first.setting.model}, {first.setting.length:,} tokens, {first.mode}",
+                                f"granularity-{name}.png", [m.setting.task for m in kept],
+                                [m.setting.task for m in members if m.cannot_do_task], lines, full_score))
+    return plots
 
 
 def plot_families(groups: list[SettingRuns], folder: Path) -> list[Path]:
-    """One PNG per task family, model, length and query mode (see the module's docstring); the paths written."""
-    by_plot: dict[tuple[str, str, int, bool], list[SettingRuns]] = {}
-    for here in groups:
-        if here.cells:
-            s = here.setting
-            by_plot.setdefault((family_of(s.task), s.model, s.length, s.query_aware), []).append(here)
+    """One PNG per `family_plots` entry (see the module's docstring); the paths written."""
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for family, model, length, query_aware in sorted(
-            by_plot, key=lambda key: (_family_index(key[0]), key[1], key[2], not key[3])):
-        members = by_plot[family, model, length, query_aware]
-        kept = [m for m in members if not m.cannot_do_task]
-        left_out = [m.setting.task for m in members if m.cannot_do_task]
-        mode = members[0].setting.mode
-        path = folder / f"granularity-{_slug(family)}-{model}-{length}-{mode}.png"
-        _plot_family(kept, f"{family}: {model}, {length:,} tokens, {mode}", left_out, path)
-        written.append(path)
+    for plot in family_plots(groups):
+        _draw(plot, folder / plot.file_name)
+        written.append(folder / plot.file_name)
     return written
 
 
-def _plot_family(kept: list[SettingRuns], title: str, left_out: list[str], path: Path) -> None:
-    scorers = sorted({scorer for m in kept for scorer in m.scorers})
-    budgets = sorted({b for m in kept for b in m.budgets})
+def _draw(plot: FamilyPlot, path: Path) -> None:
+    scorers = list(plot.lines)
     # No pyplot: no global figure state; constrained layout keeps the two-line title off the panels.
     figure = Figure(figsize=(4 * max(1, len(scorers)), 3.8), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
-    tasks = ", ".join(m.setting.task.removeprefix("ruler:") for m in kept) or "none"
+    tasks = ", ".join(task.removeprefix("ruler:") for task in plot.tasks) or "none"
     note = ""
-    if left_out:
+    if plot.left_out:
         note = f"; left out, full cache < {100 * FULL_CACHE_FLOOR:.0f}: " + \
-            ", ".join(task.removeprefix("ruler:") for task in left_out)
-    figure.suptitle(f"{title}\nmean over {tasks}{note}", fontsize=9)
-    full_score = None  # the reference only where it covers every task the lines average
-    if kept and all(m.full for m in kept):
-        full_records = [r for m in kept for r in m.full["records"]]
-        full_score = 100 * sum(r["score"] for r in full_records) / len(full_records)
+            ", ".join(task.removeprefix("ruler:") for task in plot.left_out)
+    figure.suptitle(f"{plot.title}\nmean over {tasks}{note}", fontsize=9)
     for index, scorer in enumerate(scorers or [None]):
         axes = figure.add_subplot(1, max(1, len(scorers)), index + 1)
         axes.set_title(scorer if scorer else "no task the full cache can do", fontsize=9)
@@ -382,18 +486,13 @@ def _plot_family(kept: list[SettingRuns], title: str, left_out: list[str], path:
         axes.set_xlabel("budget (fraction of the prompt kept)")
         if index == 0:
             axes.set_ylabel("score (%)")
-        for granularity in GRANULARITY_ORDER if scorer else ():
-            points = {}  # budget -> (score, (below, above))
-            for budget in budgets:
-                cells = [m.cell(scorer, granularity, budget) for m in kept]
-                if all(cells):
-                    points[budget] = _pooled(cells)
+        for granularity, points in plot.lines.get(scorer, {}).items():
             if points:
                 axes.errorbar(list(points), [score for score, _ in points.values()],
                               yerr=list(zip(*(bar for _, bar in points.values()))), marker="o", capsize=3,
                               label=granularity)
-        if full_score is not None:
-            axes.axhline(full_score, color="gray", linestyle="--", label="full cache")
+        if plot.full_score is not None:
+            axes.axhline(plot.full_score, color="gray", linestyle="--", label="full cache")
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize=7)
     figure.savefig(path, bbox_inches="tight")
@@ -410,8 +509,8 @@ def _pooled(cells: list[dict]) -> tuple[float, tuple[float, float]]:
     return score, (score - 100 * interval.ci_low, 100 * interval.ci_high - score)
 
 
-def _slug(family: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", family.lower()).strip("-")
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def main() -> None:
@@ -419,18 +518,21 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", help="run folders written by `evalkit sweep` (runs/<name>)")
     parser.add_argument("--summary-only", action="store_true", help="print the summary table only")
     parser.add_argument("--plots", metavar="DIR", type=Path,
-                        help="also write one PNG per task family, model, length and query mode into DIR")
+                        help="also write one PNG per task family and setting (but task) into DIR")
     args = parser.parse_args()
-    runs = load(args.folders)
-    groups = group(runs)
-    print(summary(groups))
-    if not args.summary_only:
-        print(tables(groups))
-        print(paired_tables(groups))
-        print(block_table(runs))
-    if args.plots:
-        for path in plot_families(groups, args.plots):
-            print(path)
+    try:
+        runs = load(args.folders)
+        groups = group(runs)
+        print(summary(groups))
+        if not args.summary_only:
+            print(tables(groups))
+            print(paired_tables(groups))
+            print(block_table(runs))
+        if args.plots:
+            for path in plot_families(groups, args.plots):
+                print(path)
+    except EvalkitError as error:  # the runs cannot be tabled as they are: one line, no traceback
+        sys.exit(f"error: {error}")
 
 
 if __name__ == "__main__":

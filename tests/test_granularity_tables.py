@@ -1,5 +1,6 @@
 """scripts/granularity_tables.py on tiny run folders written here, as `evalkit sweep` writes them (no model)."""
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -22,14 +23,18 @@ def script():
 
 
 def write_run(root: Path, task: str, policy: str, budget: float, scores: list[float], *, length: int = 2048,
-              model: str = "smollm2-135m", query_aware: bool = True, finished: bool = True) -> Path:
-    """A run folder as the runner leaves it: config.json, one prediction line a finished sample, and
-    metrics.json once the run is complete."""
-    mode = "qa" if query_aware else "qg"
-    run = root / f"{task.removeprefix('ruler:')}-{policy}-{budget}-{model}-{length}-{mode}"
-    run.mkdir(parents=True)
+              model: str = "smollm2-135m", query_aware: bool = True, finished: bool = True, omit: tuple = (),
+              **fields) -> Path:
+    """A run folder as the runner leaves it: config.json (any other RunConfig `fields`; `omit`: fields an
+    older evalkit did not write), one prediction line a finished sample, and metrics.json once the run is
+    complete. The folder is named after the config's digest, as the runner names it."""
     config = {"task": task, "length": length, "model": model, "policy": policy, "budget": budget,
-              "block_size": 16, "query_aware": query_aware, "samples": len(scores), "sliding_layers": "budget"}
+              "block_size": 16, "query_aware": query_aware, "samples": len(scores), "sliding_layers": "budget",
+              "granularity": None, **fields}
+    config = {k: v for k, v in config.items() if k not in omit}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
+    run = root / f"{task.removeprefix('ruler:')}-{policy}-{budget}-{digest}"
+    run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"config": config, "run_id": run.name}))
     full_bytes = 1000 * length
     records = [{"id": f"{task}-{i:04d}", "score": score, "bytes_full": full_bytes, "bytes_held": budget * full_bytes,
@@ -68,7 +73,7 @@ def test_settings_of_other_lengths_and_models_stay_apart(script, tmp_path):
     write_setting(tmp_path, "ruler:niah_single_1", [1] * 7 + [0] * 3, same_everywhere([1] * 10), query_aware=False)
     groups = script.group(script.load([str(tmp_path)]))
 
-    assert [str(g.setting) for g in groups] == [
+    assert [g.name for g in groups] == [
         "ruler:niah_single_1, 2,048 tokens, gemma3-270m, query-aware",
         "ruler:niah_single_1, 2,048 tokens, smollm2-135m, query-aware",
         "ruler:niah_single_1, 4,096 tokens, smollm2-135m, query-aware",
@@ -78,6 +83,78 @@ def test_settings_of_other_lengths_and_models_stay_apart(script, tmp_path):
     cells = {(row[2], row[3], row[4]): row[8] for row in summary_rows(script.summary(groups))}  # head's score
     assert cells == {("2,048", "gemma3-270m", "query-aware"): "100", ("2,048", "smollm2-135m", "query-aware"): "50",
                      ("4,096", "smollm2-135m", "query-aware"): "0", ("2,048", "smollm2-135m", "query-agnostic"): "100"}
+
+
+def test_runs_of_other_seeds_or_sample_counts_stay_apart_and_the_headings_say_how(script, tmp_path):
+    write_setting(tmp_path, "ruler:niah_single_1", [1] * 10, same_everywhere([1] * 10))
+    write_setting(tmp_path, "ruler:niah_single_1", [1] * 5 + [0] * 5, same_everywhere([0] * 10), seed=1)
+    write_setting(tmp_path, "ruler:niah_single_1", [0] * 20, same_everywhere([1] * 20))
+    groups = script.group(script.load([str(tmp_path)]))
+
+    assert [g.name for g in groups] == [
+        "ruler:niah_single_1, 2,048 tokens, smollm2-135m, query-aware (samples=10, seed=0)",
+        "ruler:niah_single_1, 2,048 tokens, smollm2-135m, query-aware (samples=10, seed=1)",
+        "ruler:niah_single_1, 2,048 tokens, smollm2-135m, query-aware (samples=20, seed=0)"]
+    # each paired with its own full cache, on its own samples
+    assert [g.paired["snapkv", 0.1]["head", "full"].difference for g in groups] == [0.0, -0.5, 1.0]
+    rows = summary_rows(script.summary(groups))
+    assert [(row[4], row[8]) for row in rows] == [("query-aware (samples=10, seed=0)", "100"),
+                                                  ("query-aware (samples=10, seed=1)", "0"),
+                                                  ("query-aware (samples=20, seed=0)", "100")]
+
+
+def test_a_field_an_older_run_did_not_write_is_its_default(script, tmp_path):
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 10, omit=("sliding_layers", "granularity"))
+    for granularity in GRANULARITIES:
+        write_run(tmp_path, "ruler:niah_single_1", f"snapkv_{granularity}", 0.1, [1] * 10)
+    (here,) = script.group(script.load([str(tmp_path)]))
+
+    assert here.full is not None and here.name == "ruler:niah_single_1, 2,048 tokens, smollm2-135m, query-aware"
+
+
+def test_policy_arguments_make_a_setting_compared_with_the_full_cache_without_them(script, tmp_path):
+    write_setting(tmp_path, "ruler:niah_single_1", [1] * 10, same_everywhere([1] * 10))
+    for granularity in GRANULARITIES:  # the same policies and budget, another observation window
+        write_run(tmp_path, "ruler:niah_single_1", f"snapkv_{granularity}", 0.1, [0] * 10,
+                  policy_args={"window": "8"})
+    groups = script.group(script.load([str(tmp_path)]))
+
+    assert [g.differs for g in groups] == ['policy_args={"window": "8"}', "policy_args={}"]
+    assert groups[0].full is groups[1].full is not None  # `RunConfig.full_cache`: no policy arguments
+    assert [g.cell("snapkv", "head", 0.1)["metrics"]["score"] for g in groups] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("second", [
+    {"policy": "snapkv_head"},  # the same run in a second folder
+    {"policy": "snapkv", "granularity": "head"},  # `snapkv` is `snapkv_head`
+    {"policy": "full", "budget": 1.0},
+])
+def test_two_runs_of_one_setting_policy_and_budget_are_an_error(script, tmp_path, second):
+    write_setting(tmp_path / "a", "ruler:niah_single_1", [1] * 10, same_everywhere([1] * 10))
+    fields = {"policy": "snapkv_head", "budget": 0.1, **second}
+    write_run(tmp_path / "b", "ruler:niah_single_1", fields.pop("policy"), fields.pop("budget"), [0] * 10, **fields)
+
+    with pytest.raises(script.EvalkitError) as error:
+        script.group(script.load([str(tmp_path / "a"), str(tmp_path / "b")]))
+    message = str(error.value)
+    assert "\n" not in message and str(tmp_path / "a") in message and str(tmp_path / "b") in message
+
+
+def test_aliases_and_granularity_runs_count_as_the_granularity_they_ran(script, tmp_path):
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 10)
+    for policy, scores in (("h2o", [0] * 10), ("h2o_head_page", [1] * 10), ("h2o_block1", [1] * 5 + [0] * 5),
+                           ("h2o_page", [1] * 10)):  # h2o is h2o_head, h2o_block1 is h2o_token
+        write_run(tmp_path, "ruler:niah_single_1", policy, 0.1, scores)
+    for granularity in GRANULARITIES:  # `--policy random --granularity ...`
+        write_run(tmp_path, "ruler:niah_single_1", "random", 0.1, [1] * 10, granularity=granularity)
+    groups = script.group(script.load([str(tmp_path)]))
+
+    rows = summary_rows(script.summary(groups))
+    assert [(row[5], row[8:12]) for row in rows] == [("`h2o`", ["0", "100", "50", "100"]),
+                                                     ("`random`", ["100", "100", "100", "100"])]
+    policies = [line.split("`")[1] for line in script.tables(groups).splitlines() if line.startswith("| `")]
+    assert policies == ["h2o_head", "h2o_head_page", "h2o_token", "h2o_page",
+                        "random", "random@head_page", "random@token", "random@page"]
 
 
 def test_the_full_cache_below_the_floor_is_marked_there_only(script, tmp_path):
@@ -95,7 +172,7 @@ def test_the_full_cache_below_the_floor_is_marked_there_only(script, tmp_path):
 @pytest.mark.parametrize("head_page, head, verdict", [
     ([1] * 20, [0] * 20, "per-head pages win"),  # 20 discordant pairs, all one way: exact p = 2 / 2**20
     ([0] * 20, [1] * 20, "per-head pages lose"),
-    ([1] * 3 + [0] * 17, [0] * 20, "tie"),  # 3 discordant pairs: p = 0.25
+    ([1] * 3 + [0] * 17, [0] * 20, "no difference detected (n = 20; "),  # 3 discordant pairs: p = 0.25
 ])
 def test_a_win_or_a_loss_needs_a_significant_difference(script, tmp_path, head_page, head, verdict):
     write_setting(tmp_path, "ruler:niah_single_2", [1] * 20,
@@ -104,10 +181,48 @@ def test_a_win_or_a_loss_needs_a_significant_difference(script, tmp_path, head_p
     (row,) = summary_rows(script.summary(groups))
 
     test = groups[0].paired["snapkv", 0.1]["head_page", "head"]
-    assert row[-1] == verdict and row[12] == str(test)
-    assert (test.p_value < 0.05) == (verdict != "tie")
-    if verdict != "tie":  # Holm multiplies the smallest of the ten p-values by at most 10
+    assert row[-1].startswith(verdict) and row[12] == str(test)
+    assert row[-1].endswith(f"p = {test.p_value:.2g} across rows)")  # one row: the across-rows p is its own
+    assert (test.p_value < 0.05) == verdict.startswith("per-head")
+    if verdict.startswith("per-head"):  # Holm multiplies the smallest of the ten p-values by at most 10
         assert 2 / 2 ** 20 <= test.p_value <= 10 * 2 / 2 ** 20 and row[12].startswith("**")
+
+
+def test_a_comparison_that_cannot_be_made_counts_as_p_1_in_the_holm_family(script, tmp_path):
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head_page", 0.1, [1] * 5 + [0] * 15)
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head", 0.1, [0] * 20)  # no full cache, no token or page
+    (here,) = script.group(script.load([str(tmp_path)]))
+
+    tests = here.paired["snapkv", 0.1]
+    assert [pair for pair, test in tests.items() if test] == [("head_page", "head")]
+    assert tests["head_page", "head"].p_value == pytest.approx(10 * 2 / 2 ** 5)  # 5 discordant pairs, one way
+
+
+def test_the_verdict_is_holm_adjusted_across_the_summary_rows(script, tmp_path):
+    def write(task):  # 9 discordant pairs, one way: exact p = 2 / 2**9, times 10 within the cell = 0.039
+        write_run(tmp_path, task, "snapkv_head_page", 0.1, [1] * 9 + [0] * 11)
+        write_run(tmp_path, task, "snapkv_head", 0.1, [0] * 20)
+
+    write("ruler:niah_single_1")
+    (row,) = summary_rows(script.summary(script.group(script.load([str(tmp_path)]))))
+    assert row[12] == "**+45 (p = 0.039, n = 20)**" and row[-1] == "per-head pages win (p = 0.039 across rows)"
+
+    write("ruler:niah_single_3")  # two rows: each p times 2
+    rows = summary_rows(script.summary(script.group(script.load([str(tmp_path)]))))
+    assert [(row[12], row[-1]) for row in rows] == [
+        ("**+45 (p = 0.039, n = 20)**", "no difference detected (n = 20; p = 0.078 across rows)")] * 2
+
+
+def test_a_scorer_without_a_run_at_a_budget_has_no_row_there(script, tmp_path):
+    write_setting(tmp_path, "ruler:niah_single_1", [1] * 10, same_everywhere([1] * 10), budgets=(0.1, 0.3))
+    for granularity in GRANULARITIES:
+        write_run(tmp_path, "ruler:niah_single_1", f"h2o_{granularity}", 0.1, [1] * 10)
+    groups = script.group(script.load([str(tmp_path)]))
+
+    assert [(row[5], row[6]) for row in summary_rows(script.summary(groups))] == [
+        ("`h2o`", "0.1"), ("`snapkv`", "0.1"), ("`snapkv`", "0.3")]
+    assert [line.split(" |")[0] for line in script.paired_tables(groups).splitlines() if line.startswith("| `")] == [
+        "| `h2o` @ 0.1", "| `snapkv` @ 0.1", "| `snapkv` @ 0.3"]
 
 
 def test_the_summary_shows_the_paired_tables_numbers(script, tmp_path):
@@ -131,13 +246,13 @@ def test_the_summary_shows_the_paired_tables_numbers(script, tmp_path):
         line = next(line for line in table.splitlines() if line.startswith(f"| {row[5]} @ {row[6]} |"))
         shown = dict(zip(columns, [cell.strip() for cell in line.strip("|").split("|")][1:]))
         assert row[12:15] == [shown["head_page − head"], shown["head_page − page"], shown["head_page − token"]]
-        assert all(re.fullmatch(r"\**[+-]\d+ \(p = [0-9.e+-]+\)\**", cell) for cell in row[12:15])
+        assert all(re.fullmatch(r"\**[+-]\d+ \(p = [0-9.e+-]+, n = 30\)\**", cell) for cell in row[12:15])
 
 
 def test_a_run_still_going_counts_its_finished_samples_and_one_with_none_is_left_out(script, tmp_path):
     write_setting(tmp_path, "ruler:qa_1", [1] * 10, same_everywhere([1] * 10))
-    write_run(tmp_path, "ruler:qa_1", "snapkv_head", 0.3, [1, 1, 0, 0], finished=False)
-    started = write_run(tmp_path, "ruler:qa_1", "snapkv_head_page", 0.3, [1], finished=False)
+    write_run(tmp_path, "ruler:qa_1", "snapkv_head", 0.3, [1, 1, 0, 0], finished=False, samples=10)
+    started = write_run(tmp_path, "ruler:qa_1", "snapkv_head_page", 0.3, [1], finished=False, samples=10)
     (started / "predictions.jsonl").write_text('{"id": "ruler:qa_1-0000", "sco')  # its first line half-written
     groups = script.group(script.load([str(tmp_path)]))
 
@@ -145,8 +260,10 @@ def test_a_run_still_going_counts_its_finished_samples_and_one_with_none_is_left
     assert here.cell("snapkv", "head", 0.3)["metrics"]["score"] == 0.5
     assert here.cell("snapkv", "head_page", 0.3) is None
     tests = here.paired["snapkv", 0.3]
-    assert tests["head", "full"].difference == -0.5  # on the four samples both finished
+    assert tests["head", "full"].difference == -0.5 and tests["head", "full"].samples == 4  # the four both finished
     assert tests["head_page", "head"] is None
+    row = next(row for row in summary_rows(script.summary(groups)) if row[6] == "0.3")
+    assert row[8] == "50" and row[-1] == "–"  # its score on the four it finished
 
 
 def test_plots_are_written_for_each_family_present(script, tmp_path):
@@ -166,3 +283,17 @@ def test_plots_are_written_for_each_family_present(script, tmp_path):
         "granularity-qa-smollm2-135m-2048-query-aware.png",
         "granularity-other-smollm2-135m-2048-query-aware.png"]
     assert all(p.parent == tmp_path / "plots" and p.stat().st_size > 0 for p in paths)
+
+
+def test_a_task_the_full_cache_cannot_do_is_left_out_of_its_familys_lines(script, tmp_path):
+    write_setting(tmp_path, "ruler:niah_single_1", [1] * 10, same_everywhere([1] * 5 + [0] * 5), budgets=(0.1, 0.5))
+    write_setting(tmp_path, "ruler:niah_single_2", [1] * 10, same_everywhere([1] * 10), budgets=(0.1,))
+    write_setting(tmp_path, "ruler:niah_single_3", [1] * 4 + [0] * 6, same_everywhere([0] * 10), budgets=(0.1, 0.5))
+    (plot,) = script.family_plots(script.group(script.load([str(tmp_path)])))
+
+    assert plot.tasks == ["ruler:niah_single_1", "ruler:niah_single_2"]
+    assert plot.left_out == ["ruler:niah_single_3"]
+    # 0.1 averages single_1 (50) and single_2 (100); 0.5, which single_2 lacks, is not drawn
+    assert {g: {b: score for b, (score, _) in points.items()} for g, points in plot.lines["snapkv"].items()} == \
+        {g: {0.1: 75.0} for g in GRANULARITIES}
+    assert plot.full_score == 100.0
