@@ -16,13 +16,14 @@ the samples it has finished; one that has finished none is left out. A setting w
 below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even without eviction, so what the
 policies score there says nothing about eviction.
 
-Printed in order:
+Printed in order (`--summary-only`: the first two):
 - the summary: per task family (TASK_FAMILIES), task, length, model, query mode, scorer and budget that
   has a run, the full cache's and the four granularities' scores (each on every sample its run finished),
   the three paired comparisons that answer the study's question (head_page − head, head_page − page,
   head_page − token, each with n, the samples both runs finished, that it is computed on) and the verdict
   of per-head pages against per-head tokens: head_page − head's p, Holm-adjusted once more across the
   summary's rows (`verdicts`), decides a win or a loss; otherwise no difference was detected;
+- every full-cache run, policy cells or not, with its interval (`full_cache_table`);
 - per setting: score per policy (scorer x granularity) and budget with its 95 % interval, then per cell
   the KV held over the full cache, held over ideal (tokens kept), and the prefill compression time;
 - per setting, the paired tests (`SettingRuns.paired`; the summary shows the same numbers): each
@@ -363,6 +364,27 @@ def tables(groups: list[SettingRuns]) -> str:
     return "\n".join(out)
 
 
+def full_cache_table(runs: list[dict]) -> str:
+    """Every full-cache run, policy cells or not: what the model can do at each task, length and model before
+    anything is evicted (a sweep of `full` alone measures it before the grid is planned). One row per run:
+    family, task, length, model, mode, score with its 95 % interval, samples, ⚠ below FULL_CACHE_FLOOR."""
+    fulls = sorted((r for r in runs if r["config"]["policy"] == "full"),
+                   key=lambda r: (r["config"]["model"], r["config"]["length"], _family_index(family_of(r["config"]["task"])),
+                                  r["config"]["task"], not r["config"]["query_aware"]))
+    if not fulls:
+        return ""
+    lines = ["**Full cache** (score with its 95 % interval; ⚠: below "
+             f"{100 * FULL_CACHE_FLOOR:.0f}, the model cannot do the task)", "",
+             "| family | task | length | model | mode | full cache | samples |", "|---|---|---|---|---|---:|---:|"]
+    for run in fulls:
+        config = run["config"]
+        mark = " ⚠" if run["metrics"]["score"] < FULL_CACHE_FLOOR else ""
+        mode = "query-aware" if config["query_aware"] else "query-agnostic"
+        lines.append(f"| {family_of(config['task'])} | {config['task']} | {config['length']:,} | {config['model']} | "
+                     f"{mode} | {_score_with_interval(run)}{mark} | {len(run['records'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def _score_with_interval(run: dict) -> str:
     interval = score_interval(run["records"])
     return f"{100 * run['metrics']['score']:.0f} ({100 * interval.ci_low:.0f}–{100 * interval.ci_high:.0f})"
@@ -524,6 +546,7 @@ def main() -> None:
         runs = load(args.folders)
         groups = group(runs)
         print(summary(groups))
+        print(full_cache_table(runs))
         if not args.summary_only:
             print(tables(groups))
             print(paired_tables(groups))

@@ -297,3 +297,18 @@ def test_a_task_the_full_cache_cannot_do_is_left_out_of_its_familys_lines(script
     assert {g: {b: score for b, (score, _) in points.items()} for g, points in plot.lines["snapkv"].items()} == \
         {g: {0.1: 75.0} for g in GRANULARITIES}
     assert plot.full_score == 100.0
+
+
+def test_every_full_cache_run_is_listed_with_its_interval_and_marked_below_the_floor(script, tmp_path):
+    """Full-cache runs with no policy cells (a baseline sweep before the grid) still get their row; a task the
+    model cannot do is marked, one it can is not."""
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 20, length=4096)
+    write_run(tmp_path, "ruler:cwe", "full", 1.0, [1] * 2 + [0] * 18, length=4096)
+    write_setting(tmp_path, "ruler:niah_single_2", [1] * 10, same_everywhere([1] * 10))
+    rows = {row[1]: row for row in summary_rows(script.full_cache_table(script.load([str(tmp_path)])))
+            if row[0] != "---"}
+    assert set(rows) == {"ruler:niah_single_1", "ruler:cwe", "ruler:niah_single_2"}
+    assert rows["ruler:niah_single_1"][5] == "100 (84–100)" and rows["ruler:niah_single_1"][6] == "20"
+    assert rows["ruler:cwe"][5].startswith("10 (") and rows["ruler:cwe"][5].endswith("⚠")
+    assert rows["ruler:cwe"][0] == "aggregation" and rows["ruler:niah_single_1"][2] == "4,096"
+    assert script.full_cache_table([]) == ""
