@@ -387,6 +387,8 @@ def full_cache_table(runs: list[dict]) -> str:
 
 def _score_with_interval(run: dict) -> str:
     interval = score_interval(run["records"])
+    if interval.ci_low is None:  # a bootstrap of one fractional score, a run just begun: no interval yet
+        return f"{100 * run['metrics']['score']:.0f} (n = {len(run['records'])})"
     return f"{100 * run['metrics']['score']:.0f} ({100 * interval.ci_low:.0f}–{100 * interval.ci_high:.0f})"
 
 

@@ -312,3 +312,12 @@ def test_every_full_cache_run_is_listed_with_its_interval_and_marked_below_the_f
     assert rows["ruler:cwe"][5].startswith("10 (") and rows["ruler:cwe"][5].endswith("⚠")
     assert rows["ruler:cwe"][0] == "aggregation" and rows["ruler:niah_single_1"][2] == "4,096"
     assert script.full_cache_table([]) == ""
+
+
+def test_a_run_just_begun_with_one_fractional_score_is_shown_without_an_interval(script, tmp_path, capsys):
+    """One fractional sample has no bootstrap interval: the tables show the score and n, not a crash."""
+    write_run(tmp_path, "ruler:fwe", "full", 1.0, [2 / 3] * 4)
+    write_run(tmp_path, "ruler:fwe", "snapkv_head", 0.2, [1 / 3], finished=False, samples=4)
+    runs = script.load([str(tmp_path)])
+    table = script.tables(script.group(runs))
+    assert "| `snapkv_head` | 33 (n = 1) |" in table, table
