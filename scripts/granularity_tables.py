@@ -54,6 +54,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -71,6 +72,7 @@ STUDY_BLOCK_SIZE = 16  # the study's block; other sizes are the block-size slice
 # A full cache scoring below this fails the task by itself: there eviction has little left to lose, and
 # differences between policies are noise around the model's failure, not eviction results.
 FULL_CACHE_FLOOR = 0.5
+_SAME_SWEEP_SECONDS = 60  # a sweep makes a task's run folders together, before its first sample
 FULL_CACHE_WARNING = "⚠ the model cannot do this task with a full cache: differences here are not eviction results"
 
 TASK_FAMILIES = {
@@ -113,7 +115,8 @@ def load(folders: list[str]) -> list[dict]:
             records = RunDir(folder, run.name).predictions()  # skips a last line still being written
             if not records:
                 continue
-            stored = json.loads((run / "config.json").read_text())["config"]
+            provenance = json.loads((run / "config.json").read_text())
+            stored = provenance["config"]
             config = {name: stored.get(name, default) for name, default in _DEFAULTS.items()}
             if (run / "metrics.json").exists():
                 metrics = json.loads((run / "metrics.json").read_text())
@@ -125,7 +128,8 @@ def load(folders: list[str]) -> list[dict]:
                 policy_family(config["policy"], config["granularity"])
             runs.append({"folder": run, "config": config, "metrics": metrics, "records": records,
                          "scorer": scorer, "granularity": granularity,  # a StrEnum: equal to its name
-                         "prefill": {r["id"]: r["prefill_seconds"] for r in records}})
+                         "prefill": {r["id"]: r["prefill_seconds"] for r in records},
+                         "created": provenance.get("created")})
     return runs
 
 
@@ -331,11 +335,20 @@ def _family_index(family: str) -> int:
 
 def compression_seconds(run: dict, full: dict | None) -> float | None:
     """Query-aware only: query-agnostic prefill also reads the question through each cell's own
-    (smaller) cache, so the difference would mix that in."""
-    if full is None or not run["config"]["query_aware"]:
+    (smaller) cache, so the difference would mix that in. Only where the full cache shared the cell's
+    prefill: the same sweep made both folders, within seconds, before its first sample; a full cache run by
+    another sweep (a baseline sweep before the grid) timed its own prompt forward."""
+    if full is None or not run["config"]["query_aware"] or not _made_together(run, full):
         return None
     shared = [run["prefill"][i] - full["prefill"][i] for i in run["prefill"] if i in full["prefill"]]
     return sum(shared) / len(shared) if shared else None
+
+
+def _made_together(a: dict, b: dict) -> bool:
+    if a["created"] is None or b["created"] is None:
+        return False
+    apart = datetime.fromisoformat(a["created"]) - datetime.fromisoformat(b["created"])
+    return abs(apart.total_seconds()) <= _SAME_SWEEP_SECONDS
 
 
 def tables(groups: list[SettingRuns]) -> str:

@@ -24,7 +24,7 @@ def script():
 
 def write_run(root: Path, task: str, policy: str, budget: float, scores: list[float], *, length: int = 2048,
               model: str = "smollm2-135m", query_aware: bool = True, finished: bool = True, omit: tuple = (),
-              **fields) -> Path:
+              created: str = "2026-12-03T00:00:00+0000", prefill_seconds: float = 1.0, **fields) -> Path:
     """A run folder as the runner leaves it: config.json (any other RunConfig `fields`; `omit`: fields an
     older evalkit did not write), one prediction line a finished sample, and metrics.json once the run is
     complete. The folder is named after the config's digest, as the runner names it."""
@@ -35,10 +35,10 @@ def write_run(root: Path, task: str, policy: str, budget: float, scores: list[fl
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:8]
     run = root / f"{task.removeprefix('ruler:')}-{policy}-{budget}-{digest}"
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"config": config, "run_id": run.name}))
+    (run / "config.json").write_text(json.dumps({"config": config, "run_id": run.name, "created": created}))
     full_bytes = 1000 * length
     records = [{"id": f"{task}-{i:04d}", "score": score, "bytes_full": full_bytes, "bytes_held": budget * full_bytes,
-                "bytes_ideal": budget * full_bytes, "prefill_seconds": 1.0, "prediction": "", "references": []}
+                "bytes_ideal": budget * full_bytes, "prefill_seconds": prefill_seconds, "prediction": "", "references": []}
                for i, score in enumerate(scores)]
     (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if finished:
@@ -321,3 +321,18 @@ def test_a_run_just_begun_with_one_fractional_score_is_shown_without_an_interval
     runs = script.load([str(tmp_path)])
     table = script.tables(script.group(runs))
     assert "| `snapkv_head` | 33 (n = 1) |" in table, table
+
+
+def test_compression_time_is_shown_only_against_a_full_cache_that_shared_the_prefill(script, tmp_path):
+    """A cell's compression is its prefill minus the full cache's only where one sweep made both (their folders
+    within a minute): a full cache from a baseline sweep timed its own forward, so no difference is shown."""
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 4, prefill_seconds=3.0)
+    write_run(tmp_path, "ruler:niah_single_1", "h2o_head", 0.2, [1] * 4, prefill_seconds=3.5,
+              created="2026-12-03T00:00:02+0000")
+    write_run(tmp_path, "ruler:fwe", "full", 1.0, [1] * 4, prefill_seconds=30.0)
+    write_run(tmp_path, "ruler:fwe", "h2o_head", 0.2, [1] * 4, prefill_seconds=3.5,
+              created="2026-12-03T01:00:00+0000")
+    tables = script.tables(script.group(script.load([str(tmp_path)]))).split("**ruler:")
+    by_task = {chunk.split(",")[0]: chunk for chunk in tables[1:]}
+    assert "| 0.50 |" in by_task["niah_single_1"], by_task["niah_single_1"]
+    assert "| – |" in by_task["fwe"] and "-26.50" not in by_task["fwe"], by_task["fwe"]
