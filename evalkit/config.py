@@ -171,8 +171,7 @@ class RunConfig:
         with their own (Gemma 3: sliding layers with base 10,000, global ones with 1,000,000)."""
         rope = getattr(model_config(self.model), "rope_parameters", None)
         per_layer_type = bool(rope) and isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
-        # DuoAttention declares no flag for it (its module calls the model's rotary embedding directly): by name.
-        if per_layer_type and (self.make_policy().reads_query_moments or self.policy.startswith("duo_attention")):
+        if per_layer_type and self.make_policy().applies_model_rope:
             raise EvalkitError(f"{self.policy} reads the model's RoPE, and {self.model} has one per layer type "
                                f"({', '.join(rope)}): not supported yet")
 

@@ -392,9 +392,8 @@ def full_cache_table(runs: list[dict]) -> str:
     for run in fulls:
         config = run["config"]
         mark = " ⚠" if run["metrics"]["score"] < FULL_CACHE_FLOOR else ""
-        mode = "query-aware" if config["query_aware"] else "query-agnostic"
         lines.append(f"| {family_of(config['task'])} | {config['task']} | {config['length']:,} | {config['model']} | "
-                     f"{mode} | {_score_with_interval(run)}{mark} | {len(run['records'])} |")
+                     f"{Setting.of(config).mode} | {_score_with_interval(run)}{mark} | {len(run['records'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -482,10 +481,7 @@ def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
             for granularity in GRANULARITY_ORDER:
                 cells = {b: [m.cell(scorer, granularity, b) for m in kept] for b in budgets}
                 lines[scorer][granularity] = {b: _pooled(found) for b, found in cells.items() if all(found)}
-        full_score = None
-        if kept and all(m.full for m in kept):
-            records = [r for m in kept for r in m.full["records"]]
-            full_score = 100 * sum(r["score"] for r in records) / len(records)
+        full_score = _pooled([m.full for m in kept])[0] if kept and all(m.full for m in kept) else None
         name = "-".join([_slug(family), first.setting.model, str(first.setting.length), first.setting.mode,
                          *([_slug(first.differs)] if first.differs else [])])
         plots.append(FamilyPlot(f"{family}: {first.setting.model}, {first.setting.length:,} tokens, {first.mode}",

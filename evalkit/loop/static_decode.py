@@ -141,9 +141,8 @@ class StaticStep:
         recents = torch.minimum(policy.recent_count(self.caps) + unscored, self.caps)  # [L, B]
         for layer_idx, (layer, slots, window) in enumerate(zip(state.cache.layers, self.slots, self.windows)):
             stored = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
-            pos = stored
-            if window is not None:  # stale tokens as empty slots: fixed shapes, nothing read back
-                pos = stored.masked_fill(stored <= (self.seen - window)[:, None, None], -1)
+            # A sliding layer's stale tokens as empty slots: fixed shapes, nothing read back.
+            pos = stored if window is None else stored.masked_fill(stored <= (self.seen - window)[:, None, None], -1)
             live = pos >= 0
             if not self.evict:  # only what the window lost
                 if window is not None:

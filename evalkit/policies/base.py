@@ -86,6 +86,7 @@ class Policy:
     reads_key_norms: ClassVar[bool] = False  # True: `score` reads ScoreInput.key_norms (kept by the storage)
     reads_values: ClassVar[bool] = False  # True: `score` reads ScoreInput.values
     reads_query_moments: ClassVar[bool] = False  # True: the prefill sums its queries' moments (`QueryMoments`)
+    applies_model_rope: ClassVar[bool] = False  # True: it rotates queries or keys with the model's one RoPE itself
     reads_output_projection: ClassVar[bool] = False  # True: `score` reads the layer's o_proj weight
     reconstructs: ClassVar[bool] = False  # True: the loop runs a context-reconstruction forward (KVzip) after the prefill
     selects_across_layers: ClassVar[bool] = False  # True: `select_layers` chooses every layer's slots at once

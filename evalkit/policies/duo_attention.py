@@ -44,6 +44,7 @@ class DuoAttention(Policy):
     what the heads keep, above or below it.
     """
 
+    applies_model_rope = True  # the calibration rotates its mean query and key at positions 0 .. 499
     granularity: Granularity = Granularity.HEAD
     sink_tokens: int = arg(128, 0, PROMPT)
     recent_tokens: int = arg(256, 1, PROMPT)
