@@ -7,8 +7,11 @@ module decides which method fits which scores (docs/statistics.md).
 - Any other score (F1, ROUGE, a share of needles, perplexity): a percentile bootstrap over samples
   (`scipy.stats.bootstrap`, `RESAMPLES` resamples, seed `SEED`) of the run's own aggregate (the mean; the
   mean of its tasks' means, resampled within each task; perplexity over all scored tokens), and two runs
-  are compared with a paired bootstrap: the same resampled samples for both, p-value from the resampled
-  differences centred on zero.
+  are compared with a paired permutation test (`scipy.stats.permutation_test`): under the null hypothesis
+  the two runs' results on a sample are exchangeable, so each sample's pair may be swapped; the p-value is the
+  share of swaps whose score difference is at least as far from zero as the one observed (every swap when
+  there are at most RESAMPLES, RESAMPLES random ones with seed SEED otherwise). It holds its level at any n,
+  where the bootstrap's p-value (the resampled differences centred on zero) rejects too often on few samples.
 The difference of two runs always carries a paired bootstrap interval.
 """
 
@@ -55,7 +58,7 @@ class Comparison:
     ci_low: float
     ci_high: float
     p_value: float
-    test: str  # "exact McNemar" or "paired bootstrap"
+    test: str  # "exact McNemar" or "paired permutation"
     only_a: int  # samples where A scored higher than B (binary: passed where B failed)
     only_b: int
     needed: int | None  # samples to detect `detect` at the observed disagreement, ALPHA and POWER
@@ -120,11 +123,10 @@ def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Compar
         needed = None if detect is None else samples_needed(detect, (only_a + only_b) / len(a) or None)
         return Comparison(len(a), "binary", difference, float(low), float(high), p, "exact McNemar", only_a,
                           only_b, needed, detect, higher_is_better)
-    centred = result.bootstrap_distribution - result.bootstrap_distribution.mean()
-    p = float(((np.abs(centred) >= abs(difference)).sum() + 1) / (RESAMPLES + 1))
+    p = _permutation_p(a, b)
     sd = float(np.std(scores_a - scores_b, ddof=1)) if len(a) > 1 else None
     needed = None if detect is None or not higher_is_better else samples_needed(detect, difference_sd=sd or None)
-    return Comparison(len(a), "continuous", difference, float(low), float(high), p, "paired bootstrap", only_a,
+    return Comparison(len(a), "continuous", difference, float(low), float(high), p, "paired permutation", only_a,
                       only_b, needed, detect, higher_is_better)
 
 
@@ -190,6 +192,37 @@ def _by_task(values: np.ndarray, records: list[dict]) -> list[np.ndarray]:
         return [values]
     of = np.array([r["meta"]["task"] for r in records])
     return [values[of == task] for task in tasks]
+
+
+_TIES = 9  # decimals a swap's distance from zero is rounded to: sums in another order are ties, not larger
+
+
+def _permutation_p(a: list[dict], b: list[dict]) -> float:
+    """Two-sided p-value of score(a) - score(b) under swaps of each sample's pair of records. scipy swaps the
+    pairs of two index arrays, [0, n) for A and [n, 2n) for B, into the samples' values of both runs."""
+    n = len(a)
+    if _is_perplexity(a):
+        nll = np.array([r["nll"] for r in a + b], dtype=float)
+        tokens = np.array([r["scored_tokens"] for r in a + b], dtype=float)
+
+        def distance(of_a, of_b, axis=-1):
+            return np.abs(np.exp(nll[of_a].sum(axis) / tokens[of_a].sum(axis))
+                          - np.exp(nll[of_b].sum(axis) / tokens[of_b].sum(axis))).round(_TIES)
+    else:
+        scores = np.concatenate([_per_sample(a), _per_sample(b)])
+        parts = _by_task(np.arange(n), a)
+        weight = np.zeros(n)  # the score is the mean of the tasks' means: linear in the samples' scores
+        for part in parts:
+            weight[part] = 1 / (len(parts) * len(part))
+
+        def distance(of_a, of_b, axis=-1):
+            return np.abs(((scores[of_a] - scores[of_b]) * weight).sum(axis)).round(_TIES)
+
+    # One-sided on the distance from zero: two-sided on the difference.
+    result = stats.permutation_test((np.arange(n), np.arange(n, 2 * n)), distance, permutation_type="samples",
+                                    vectorized=True, n_resamples=RESAMPLES, batch=1_000, alternative="greater",
+                                    rng=np.random.default_rng(SEED))
+    return float(result.pvalue)
 
 
 def _bootstrap(a: list[dict], b: list[dict], paired: bool):

@@ -28,7 +28,7 @@ Printed in order (`--summary-only`: the first two):
   the KV held over the full cache, held over ideal (tokens kept), and the prefill compression time;
 - per setting, the paired tests (`SettingRuns.paired`; the summary shows the same numbers): each
   granularity against each other one of the same scorer and budget, and each against the full cache, on
-  the samples both runs finished: exact McNemar for pass/fail scores (a paired bootstrap where scores are
+  the samples both runs finished: exact McNemar for pass/fail scores (a paired permutation test where scores are
   fractions, as `evalkit.uncertainty.compare` chooses), Holm-adjusted over these ten within a scorer x
   budget, a comparison that cannot be made counting as p = 1;
 - the block-size slice, where the folders hold more than one block size.

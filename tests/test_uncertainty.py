@@ -1,5 +1,7 @@
 """Intervals and paired tests (`evalkit.uncertainty`) against statsmodels' and scipy's own values."""
 
+import itertools
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -78,13 +80,13 @@ def test_binary_runs_are_compared_with_the_exact_mcnemar_test(only_a, only_b, bo
     assert result.ci_low <= result.difference <= result.ci_high
 
 
-def test_continuous_runs_are_compared_with_a_paired_bootstrap():
+def test_continuous_runs_are_compared_with_a_paired_permutation_test():
     rng = np.random.default_rng(2)
     base = rng.uniform(0, 1, 60)
     same = compare(binary(base), binary(base))
     assert same.p_value == 1.0 and same.ci_low == same.ci_high == same.difference == 0
     shifted = compare(binary(np.clip(base + 0.2, 0, 1)), binary(base))
-    assert shifted.test == "paired bootstrap" and shifted.p_value < 0.001 and shifted.ci_low > 0
+    assert shifted.test == "paired permutation" and shifted.p_value < 0.001 and shifted.ci_low > 0
     assert shifted.verdict("snapkv", "h2o").startswith("snapkv better, p = ")
     noise = compare(binary(np.clip(base + rng.normal(0, 0.02, 60), 0, 1)), binary(base))
     assert noise.p_value > ALPHA and noise.ci_low < 0 < noise.ci_high
@@ -92,6 +94,43 @@ def test_continuous_runs_are_compared_with_a_paired_bootstrap():
     own = stats.bootstrap((np.clip(base + 0.2, 0, 1) - base,), np.mean, n_resamples=RESAMPLES, method="percentile",
                           rng=np.random.default_rng(SEED)).confidence_interval
     assert (shifted.ci_low, shifted.ci_high) == pytest.approx((own.low, own.high))
+
+
+def _swapped_p(a: np.ndarray, b: np.ndarray, statistic) -> float:
+    """The two-sided p-value over all 2^n swaps of the samples' pairs, enumerated."""
+    observed = abs(statistic(a, b))
+    swaps = itertools.product((False, True), repeat=len(a))
+    values = [abs(statistic(np.where(s, b, a), np.where(s, a, b))) for s in map(np.array, swaps)]
+    return float(np.mean(np.array(values) >= observed - 1e-12))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_permutation_p_value_is_every_swap_of_the_samples_pairs_enumerated(seed):
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, 5, 9) / 4, rng.integers(0, 5, 9) / 4  # shares of four needles
+    assert compare(binary(a), binary(b)).p_value == pytest.approx(_swapped_p(a, b, lambda x, y: x.mean() - y.mean()))
+    tasks = ["niah"] * 3 + ["vt"] * 6  # a group task's score: the mean of its tasks' means
+    by_task = lambda x, y: np.mean([(x - y)[:3].mean(), (x - y)[3:].mean()])  # noqa: E731
+    assert compare(binary(a, tasks), binary(b, tasks)).p_value == pytest.approx(_swapped_p(a, b, by_task))
+    nll, tokens = rng.uniform(10, 30, (2, 9)), rng.integers(5, 15, 9)
+    passages = [[{"id": f"s{i}", "score": float(np.exp(n / t)), "nll": float(n), "scored_tokens": int(t)}
+                 for i, (n, t) in enumerate(zip(run, tokens))] for run in nll]
+    perplexity = lambda x, y: np.exp(x.sum() / tokens.sum()) - np.exp(y.sum() / tokens.sum())  # noqa: E731
+    assert compare(*passages).p_value == pytest.approx(_swapped_p(nll[0], nll[1], perplexity))
+
+
+@pytest.mark.parametrize("n", [6, 10, 25])
+def test_two_runs_that_differ_by_chance_only_are_called_different_at_most_alpha_of_the_time(n):
+    """Under the null hypothesis (two runs whose results on a sample are exchangeable) the test rejects at
+    most ALPHA of the time, but for the trials' own chance (a 1 % bound of the binomial)."""
+    rng = np.random.default_rng(n)
+    rejected = 0
+    trials = 200
+    for _ in range(trials):
+        quality = rng.uniform(0, 1, n)
+        a, b = (np.round(np.clip(quality + rng.normal(0, 0.3, (2, n)), 0, 1) * 4) / 4)
+        rejected += compare(binary(a), binary(b)).p_value < ALPHA
+    assert rejected <= stats.binom.ppf(0.99, trials, ALPHA)
 
 
 def test_the_verdict_says_what_was_found_and_what_it_would_take():

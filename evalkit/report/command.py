@@ -44,7 +44,7 @@ def compare(
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ):
     """Two runs on the same samples, paired: the difference with its interval, the p-value (exact McNemar for
-    pass/fail scores, paired bootstrap otherwise), samples only one did better on, and a verdict."""
+    pass/fail scores, paired permutation test otherwise), samples only one did better on, and a verdict."""
     # scipy and evalkit.config (torch): imported when `evalkit compare` runs.
     from evalkit.report.compare import compare_runs
 
