@@ -9,10 +9,11 @@ module decides which method fits which scores (docs/statistics.md).
   mean of its tasks' means, resampled within each task; perplexity over all scored tokens), and two runs
   are compared with a paired permutation test (`scipy.stats.permutation_test`): under the null hypothesis
   the two runs' results on a sample are exchangeable, so each sample's pair may be swapped; the p-value is the
-  share of swaps whose score difference is at least as far from zero as the one observed (every swap when
-  there are at most RESAMPLES, RESAMPLES random ones with seed SEED otherwise). It holds its level at any n,
+  share of swaps whose score difference is at least as far from zero as the one observed (every swap up to
+  EXACT_UP_TO samples, RESAMPLES random ones with seed SEED beyond). It holds its level at any n,
   where the bootstrap's p-value (the resampled differences centred on zero) rejects too often on few samples.
-The difference of two runs always carries a paired bootstrap interval.
+The difference of two runs always carries a paired bootstrap interval (too narrow on few samples: the verdict
+is the test's).
 """
 
 from __future__ import annotations
@@ -194,12 +195,15 @@ def _by_task(values: np.ndarray, records: list[dict]) -> list[np.ndarray]:
     return [values[of == task] for task in tasks]
 
 
-_TIES = 9  # decimals a swap's distance from zero is rounded to: sums in another order are ties, not larger
+EXACT_UP_TO = 16  # samples: up to 2^16 swaps are all enumerated, beyond that RESAMPLES random ones
+_TIE = 1e-9  # of the score (relative, for perplexity): swaps this close to the observed distance are ties
 
 
 def _permutation_p(a: list[dict], b: list[dict]) -> float:
-    """Two-sided p-value of score(a) - score(b) under swaps of each sample's pair of records. scipy swaps the
-    pairs of two index arrays, [0, n) for A and [n, 2n) for B, into the samples' values of both runs."""
+    """Two-sided p-value of score(a) - score(b) under swaps of each sample's pair of results: the share of
+    swaps whose |difference| is at least the observed one. A score linear in the samples' scores swaps as a
+    sign flip of each sample's weighted difference; perplexity swaps the pairs of two index arrays, [0, n)
+    for A and [n, 2n) for B, into both runs' (nll, scored tokens)."""
     n = len(a)
     if _is_perplexity(a):
         nll = np.array([r["nll"] for r in a + b], dtype=float)
@@ -207,22 +211,23 @@ def _permutation_p(a: list[dict], b: list[dict]) -> float:
 
         def distance(of_a, of_b, axis=-1):
             return np.abs(np.exp(nll[of_a].sum(axis) / tokens[of_a].sum(axis))
-                          - np.exp(nll[of_b].sum(axis) / tokens[of_b].sum(axis))).round(_TIES)
+                          - np.exp(nll[of_b].sum(axis) / tokens[of_b].sum(axis)))
+        data, tie = (np.arange(n), np.arange(n, 2 * n)), _TIE * max(_score(a), _score(b))
     else:
-        scores = np.concatenate([_per_sample(a), _per_sample(b)])
         parts = _by_task(np.arange(n), a)
         weight = np.zeros(n)  # the score is the mean of the tasks' means: linear in the samples' scores
         for part in parts:
             weight[part] = 1 / (len(parts) * len(part))
 
-        def distance(of_a, of_b, axis=-1):
-            return np.abs(((scores[of_a] - scores[of_b]) * weight).sum(axis)).round(_TIES)
-
-    # One-sided on the distance from zero: two-sided on the difference.
-    result = stats.permutation_test((np.arange(n), np.arange(n, 2 * n)), distance, permutation_type="samples",
-                                    vectorized=True, n_resamples=RESAMPLES, batch=1_000, alternative="greater",
-                                    rng=np.random.default_rng(SEED))
-    return float(result.pvalue)
+        def distance(weighted_differences, axis=-1):
+            return np.abs(weighted_differences.sum(axis))
+        data, tie = (weight * (_per_sample(a) - _per_sample(b)),), _TIE
+    exact = n <= EXACT_UP_TO
+    result = stats.permutation_test(data, distance, permutation_type="samples", vectorized=True, batch=4_096,
+                                    n_resamples=2**n if exact else RESAMPLES, rng=np.random.default_rng(SEED))
+    # Counted here, not by scipy, whose tolerance for ties is relative to the observed distance (none at 0).
+    at_least = int((result.null_distribution >= result.statistic - tie).sum())
+    return at_least / 2**n if exact else (at_least + 1) / (RESAMPLES + 1)
 
 
 def _bootstrap(a: list[dict], b: list[dict], paired: bool):

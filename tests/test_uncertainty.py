@@ -97,11 +97,11 @@ def test_continuous_runs_are_compared_with_a_paired_permutation_test():
 
 
 def _swapped_p(a: np.ndarray, b: np.ndarray, statistic) -> float:
-    """The two-sided p-value over all 2^n swaps of the samples' pairs, enumerated."""
-    observed = abs(statistic(a, b))
-    swaps = itertools.product((False, True), repeat=len(a))
-    values = [abs(statistic(np.where(s, b, a), np.where(s, a, b))) for s in map(np.array, swaps)]
-    return float(np.mean(np.array(values) >= observed - 1e-12))
+    """The share of the 2^n swaps of the samples' pairs (the last axis of `a` and `b`), enumerated, whose
+    |statistic| is at least the observed one."""
+    swaps = itertools.product((False, True), repeat=a.shape[-1])
+    swapped = np.array([abs(statistic(np.where(s, b, a), np.where(s, a, b))) for s in map(np.array, swaps)])
+    return float(np.mean(swapped >= abs(statistic(a, b)) - 1e-12))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -112,11 +112,26 @@ def test_the_permutation_p_value_is_every_swap_of_the_samples_pairs_enumerated(s
     tasks = ["niah"] * 3 + ["vt"] * 6  # a group task's score: the mean of its tasks' means
     by_task = lambda x, y: np.mean([(x - y)[:3].mean(), (x - y)[3:].mean()])  # noqa: E731
     assert compare(binary(a, tasks), binary(b, tasks)).p_value == pytest.approx(_swapped_p(a, b, by_task))
-    nll, tokens = rng.uniform(10, 30, (2, 9)), rng.integers(5, 15, 9)
+    nll, tokens = rng.uniform(10, 30, (2, 9)), rng.integers(5, 15, (2, 9))  # a swap moves nll and tokens together
     passages = [[{"id": f"s{i}", "score": float(np.exp(n / t)), "nll": float(n), "scored_tokens": int(t)}
-                 for i, (n, t) in enumerate(zip(run, tokens))] for run in nll]
-    perplexity = lambda x, y: np.exp(x.sum() / tokens.sum()) - np.exp(y.sum() / tokens.sum())  # noqa: E731
-    assert compare(*passages).p_value == pytest.approx(_swapped_p(nll[0], nll[1], perplexity))
+                 for i, (n, t) in enumerate(zip(*run))] for run in zip(nll, tokens)]
+    perplexity = lambda x, y: np.exp(x[0].sum() / x[1].sum()) - np.exp(y[0].sum() / y[1].sum())  # noqa: E731
+    assert compare(*passages).p_value == pytest.approx(
+        _swapped_p(np.stack([nll[0], tokens[0]]), np.stack([nll[1], tokens[1]]), perplexity))
+
+
+def test_past_every_swap_the_p_value_is_10000_random_swaps_plus_one():
+    """At 18 samples (2^18 swaps) the test draws RESAMPLES of them: its p-value, (count + 1) / (RESAMPLES + 1),
+    lies within sampling error of every swap's p-value, enumerated; a difference of 0 is p = 1 however many."""
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 5, 18) / 4, rng.integers(0, 5, 18) / 4
+    signs = np.array(list(itertools.product((1, -1), repeat=18)))  # a swap flips a sample's difference
+    exact = float(np.mean(np.abs(signs @ (a - b)) >= abs((a - b).sum()) - 1e-12))
+    sampled = compare(binary(a), binary(b)).p_value
+    assert abs(sampled - exact) <= 4 * np.sqrt(exact * (1 - exact) / RESAMPLES) + 1 / RESAMPLES
+    assert sampled * (RESAMPLES + 1) == pytest.approx(round(sampled * (RESAMPLES + 1)))
+    quarters = rng.integers(0, 5, 1280) / 4  # sums of 1,280 quarters in different orders: ties, not larger
+    assert compare(binary(quarters), binary(rng.permutation(quarters))).p_value == 1.0
 
 
 @pytest.mark.parametrize("n", [6, 10, 25])
