@@ -41,8 +41,10 @@ averaged over samples, is the compression's time (plus the fork's noise).
 the settings shown, if any): one panel per scorer, the family's score against the
 budget, one line per granularity, pooled over the family's tasks (the mean over their samples) with the
 pooled samples' 95 % interval (`score_interval`: Wilson for pass/fail scores), and the full cache dashed.
-Tasks whose full cache scores below FULL_CACHE_FLOOR are left out (the title names them); a point is drawn
-only where every task kept has the cell, so the lines always average the same tasks (`family_plots`).
+Tasks whose full cache scores below FULL_CACHE_FLOOR are left out (the title names them), but where every
+task of the family is below it: then all of them are drawn and the title says ⚠ (what eviction keeps of
+what the model finds, not an eviction result); a point is drawn only where every task kept has the cell,
+so the lines always average the same tasks (`family_plots`).
 """
 
 from __future__ import annotations
@@ -456,6 +458,7 @@ class FamilyPlot:
     file_name: str
     tasks: list[str]  # the tasks its lines average
     left_out: list[str]  # the family's tasks whose full cache scores below FULL_CACHE_FLOOR
+    below_floor: bool  # every task of the family is, and `tasks` are all of them
     # scorer -> granularity -> budget -> (pooled score, (error below, above)), in points
     lines: dict[str, dict[str, dict[float, tuple[float, tuple[float, float]]]]]
     full_score: float | None  # the pooled full cache, only where it covers every task the lines average
@@ -474,6 +477,8 @@ def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
         members = by_plot[key]
         family, first = family_of(members[0].setting.task), members[0]
         kept = [m for m in members if not m.cannot_do_task]
+        below_floor = not kept
+        kept = kept or members
         budgets = sorted({b for m in kept for b in m.budgets})
         lines = {}
         for scorer in sorted({scorer for m in kept for scorer in m.scorers}):
@@ -486,7 +491,8 @@ def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
                          *([_slug(first.differs)] if first.differs else [])])
         plots.append(FamilyPlot(f"{family}: {first.setting.model}, {first.setting.length:,} tokens, {first.mode}",
                                 f"granularity-{name}.png", [m.setting.task for m in kept],
-                                [m.setting.task for m in members if m.cannot_do_task], lines, full_score))
+                                [m.setting.task for m in members if m.cannot_do_task and not below_floor],
+                                below_floor, lines, full_score))
     return plots
 
 
@@ -510,10 +516,12 @@ def _draw(plot: FamilyPlot, path: Path) -> None:
     if plot.left_out:
         note = f"; left out, full cache < {100 * FULL_CACHE_FLOOR:.0f}: " + \
             ", ".join(task.removeprefix("ruler:") for task in plot.left_out)
+    if plot.below_floor:
+        note = f"\n⚠ full cache < {100 * FULL_CACHE_FLOOR:.0f} on every task: not eviction results"
     figure.suptitle(f"{plot.title}\nmean over {tasks}{note}", fontsize=9)
     for index, scorer in enumerate(scorers or [None]):
         axes = figure.add_subplot(1, max(1, len(scorers)), index + 1)
-        axes.set_title(scorer if scorer else "no task the full cache can do", fontsize=9)
+        axes.set_title(scorer if scorer else "no cell", fontsize=9)
         axes.set_ylim(-3, 103)
         axes.grid(alpha=0.3)
         axes.set_xlabel("budget (fraction of the prompt kept)")
@@ -539,7 +547,8 @@ def _pooled(cells: list[dict]) -> tuple[float, tuple[float, float]]:
     interval = score_interval(records)
     if interval.ci_low is None:
         return score, (0.0, 0.0)
-    return score, (score - 100 * interval.ci_low, 100 * interval.ci_high - score)
+    # max: an interval of equal scores may miss the mean by rounding, and a bar is never negative
+    return score, (max(0.0, score - 100 * interval.ci_low), max(0.0, 100 * interval.ci_high - score))
 
 
 def _slug(text: str) -> str:

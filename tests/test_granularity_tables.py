@@ -299,6 +299,21 @@ def test_a_task_the_full_cache_cannot_do_is_left_out_of_its_familys_lines(script
     assert plot.full_score == 100.0
 
 
+def test_a_family_whose_every_task_is_below_the_floor_is_drawn_whole_and_marked(script, tmp_path):
+    """Where the model can do none of a family's tasks the plot would be empty: it draws them all, marked."""
+    write_setting(tmp_path, "ruler:niah_multivalue", [0.4] * 10, same_everywhere([0.2] * 10), budgets=(0.2, 0.5))
+    write_setting(tmp_path, "ruler:niah_multiquery", [0.3] * 10, same_everywhere([0.1] * 10), budgets=(0.2, 0.5))
+    (plot,) = script.family_plots(script.group(script.load([str(tmp_path)])))
+
+    assert plot.below_floor and plot.left_out == []
+    assert sorted(plot.tasks) == ["ruler:niah_multiquery", "ruler:niah_multivalue"]
+    assert {b: score for b, (score, _) in plot.lines["snapkv"]["head_page"].items()} == \
+        pytest.approx({0.2: 15.0, 0.5: 15.0})  # the mean over both tasks' samples
+    assert plot.full_score == pytest.approx(35.0)
+    (path,) = script.plot_families(script.group(script.load([str(tmp_path)])), tmp_path / "plots")
+    assert path.stat().st_size > 0
+
+
 def test_every_full_cache_run_is_listed_with_its_interval_and_marked_below_the_floor(script, tmp_path):
     """Full-cache runs with no policy cells (a baseline sweep before the grid) still get their row; a task the
     model cannot do is marked, one it can is not."""
