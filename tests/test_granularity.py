@@ -110,3 +110,26 @@ def test_prefill_only_scorers_keep_decoded_tokens_instead_of_scoring_them_zero(n
             # All of them; when window + decoded tokens outgrow a (PyramidKV) layer's cap, the most recent.
             assert kept & decoded == decoded & set(range(seen - len(kept), seen)), (name, h, sorted(kept))
     assert len(gen.token_ids) == new
+
+
+@pytest.mark.parametrize("scorer", ["h2o", "snapkv", "tova", "knorm"])
+@pytest.mark.parametrize("per_head, shared", [("head", "token"), ("head_page", "page")])
+def test_with_one_kv_head_per_head_and_shared_granularities_are_the_same(scorer, per_head, shared):
+    """Gemma 3 270M has one KV head (docs/granularity.md): there a per-head choice is the shared one, so its
+    study compares tokens with pages only."""
+    model = tiny_model("llama", kv_heads=1)
+    requests = [_request(PROMPT, 12, question=8)]
+    runs = []
+    for granularity in (per_head, shared):
+        kept = []  # per layer: the positions held after the prefill, [1 sequence, 1 KV head, slots]
+
+        def observe(event, cache):
+            if event == "prefill":
+                kept.extend(sorted(layer.read().pos[0, 0][layer.read().pos[0, 0] >= 0].tolist())
+                            for layer in cache.layers)
+
+        gen, = _run(model, make_policy(f"{scorer}_head", granularity), BUDGET, requests, observe=observe,
+                    block_size=BLOCK)
+        runs.append((kept, gen.token_ids))
+    assert all(len(positions) < PROMPT for positions in runs[0][0])  # it evicted
+    assert runs[0] == runs[1]
