@@ -125,8 +125,8 @@ def test_with_one_kv_head_per_head_and_shared_granularities_are_the_same(scorer,
 
         def observe(event, cache):
             if event == "prefill":
-                kept.extend(sorted(layer.read().pos[0, 0][layer.read().pos[0, 0] >= 0].tolist())
-                            for layer in cache.layers)
+                for pos in (layer.read().pos[0, 0] for layer in cache.layers):
+                    kept.append(sorted(pos[pos >= 0].tolist()))
 
         gen, = _run(model, make_policy(f"{scorer}_head", granularity), BUDGET, requests, observe=observe,
                     block_size=BLOCK)
