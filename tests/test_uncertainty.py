@@ -120,18 +120,46 @@ def test_the_permutation_p_value_is_every_swap_of_the_samples_pairs_enumerated(s
         _swapped_p(np.stack([nll[0], tokens[0]]), np.stack([nll[1], tokens[1]]), perplexity))
 
 
-def test_past_every_swap_the_p_value_is_10000_random_swaps_plus_one():
-    """At 18 samples (2^18 swaps) the test draws RESAMPLES of them: its p-value, (count + 1) / (RESAMPLES + 1),
-    lies within sampling error of every swap's p-value, enumerated; a difference of 0 is p = 1 however many."""
+def test_shares_past_every_swap_get_the_exact_distribution_of_their_sign_flips():
+    """Differences on one step (quarters, thirds weighted by 1/n) get an exact p-value at any n: at 18
+    samples every swap's, enumerated; at 400 the tail of the sum of sign flips worked out independently (one
+    step size: a binomial; two: two binomials convolved), far below what 10,000 random swaps could resolve."""
     rng = np.random.default_rng(5)
     a, b = rng.integers(0, 5, 18) / 4, rng.integers(0, 5, 18) / 4
     signs = np.array(list(itertools.product((1, -1), repeat=18)))  # a swap flips a sample's difference
     exact = float(np.mean(np.abs(signs @ (a - b)) >= abs((a - b).sum()) - 1e-12))
+    assert compare(binary(a), binary(b)).p_value == pytest.approx(exact, rel=1e-9)
+    a = np.r_[np.full(170, 2 / 3), np.full(80, 1 / 3), np.zeros(150)]  # 250 samples differ by a third,
+    b = np.r_[np.full(170, 1 / 3), np.full(80, 2 / 3), np.zeros(150)]  # 170 of them in favour of A
+    tail = stats.binom.sf(169, 250, 0.5) + stats.binom.cdf(80, 250, 0.5)  # |heads - tails| >= 90
+    assert compare(binary(a), binary(b)).p_value == pytest.approx(tail, rel=1e-9) and tail < 1e-7
+    a[1:250:2] += 0.25  # in twelfths: steps of 4 (125 samples), 7 (85: +1/3 + 1/4) and -1 (40: -1/3 + 1/4)
+    sums = {0: 1.0}  # the sum of the steps' sign flips: P(sum = total), one step size at a time
+    for size, count in ((4, 125), (7, 85), (1, 40)):
+        merged: dict[int, float] = {}
+        for j in range(count + 1):
+            for total, p_total in sums.items():
+                key = total + size * (2 * j - count)
+                merged[key] = merged.get(key, 0.0) + p_total * stats.binom.pmf(j, count, 0.5)
+        sums = merged
+    observed = round(12 * (a - b).sum())
+    assert observed == 85 * 4 + 85 * 7 - 40 * 4 - 40 * 1
+    assert compare(binary(a), binary(b)).p_value == pytest.approx(
+        sum(p for total, p in sums.items() if abs(total) >= abs(observed)), rel=1e-9)
+    quarters = rng.integers(0, 5, 1280) / 4  # sums of 1,280 quarters in different orders: ties, not larger
+    assert compare(binary(quarters), binary(rng.permutation(quarters))).p_value == 1.0
+
+
+def test_scores_on_no_common_step_past_every_swap_get_10000_random_swaps_plus_one():
+    """At 18 samples (2^18 swaps) of scores on no common step (an F1, a ROUGE) the test draws RESAMPLES
+    swaps: its p-value, (count + 1) / (RESAMPLES + 1), lies within sampling error of every swap's p-value."""
+    rng = np.random.default_rng(5)
+    a, b = rng.uniform(0, 1, 18), rng.uniform(0, 1, 18)
+    signs = np.array(list(itertools.product((1, -1), repeat=18)))
+    exact = float(np.mean(np.abs(signs @ (a - b)) >= abs((a - b).sum()) - 1e-12))
     sampled = compare(binary(a), binary(b)).p_value
     assert abs(sampled - exact) <= 4 * np.sqrt(exact * (1 - exact) / RESAMPLES) + 1 / RESAMPLES
     assert sampled * (RESAMPLES + 1) == pytest.approx(round(sampled * (RESAMPLES + 1)))
-    quarters = rng.integers(0, 5, 1280) / 4  # sums of 1,280 quarters in different orders: ties, not larger
-    assert compare(binary(quarters), binary(rng.permutation(quarters))).p_value == 1.0
 
 
 @pytest.mark.parametrize("n", [6, 10, 25])
