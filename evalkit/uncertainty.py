@@ -113,6 +113,9 @@ def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Compar
     b = [by_id[r["id"]] for r in a]
     if _is_perplexity(a) != _is_perplexity(b):
         raise EvalkitError("one run scores perplexity and the other does not: they cannot be compared")
+    unscored = [r["id"] for r in a + b if not np.isfinite(float(r["score"]))]
+    if unscored:
+        raise EvalkitError(f"sample {unscored[0]} has no finite score: a paired comparison needs every score")
     result = _bootstrap(a, b, paired=True)
     if result is None:
         raise EvalkitError(f"{len(a)} sample{'s' if len(a) > 1 else ''}: a paired comparison needs at least two")
@@ -202,7 +205,7 @@ def _by_task(values: np.ndarray, records: list[dict]) -> list[np.ndarray]:
 EXACT_UP_TO = 16  # samples: up to 2^16 swaps are all enumerated, beyond that RESAMPLES random ones
 _TIE = 1e-9  # of the score (relative, for perplexity): swaps this close to the observed distance are ties
 FINEST_STEP = 10**6  # of the score's unit: terms on a coarser common step get the exact distribution
-LATTICE_WORK = 10**8  # samples x distribution length: beyond it the exact distribution is not worked out
+LONGEST_DISTRIBUTION = 10**7  # values of the sum of sign flips held at once (80 MB): beyond, random swaps
 
 
 def _permutation_p(a: list[dict], b: list[dict]) -> float:
@@ -227,7 +230,7 @@ def _permutation_p(a: list[dict], b: list[dict]) -> float:
 
         terms = weight * (_per_sample(a) - _per_sample(b))
         steps = _on_one_step(terms)
-        if steps is not None and np.count_nonzero(steps) * (2 * np.abs(steps).sum() + 1) <= LATTICE_WORK:
+        if steps is not None and 2 * np.abs(steps).sum() + 1 <= LONGEST_DISTRIBUTION:
             return _sign_flip_p(steps)
 
         def distance(weighted_differences, axis=-1):
@@ -259,6 +262,8 @@ def _sign_flip_p(steps: np.ndarray) -> float:
     test's exact p-value. Each distinct |step| m taken c times adds m * (2j - c), j ~ Binomial(c, 1/2); the
     sum's distribution is built by shifting the one so far by each such amount."""
     observed = abs(int(steps.sum()))
+    if observed == 0:  # every swap is at least as far from zero: 1, not a float sum near it
+        return 1.0
     sizes, counts = np.unique(np.abs(steps[steps != 0]), return_counts=True)
     reach = int((sizes * counts).sum())
     distribution = np.zeros(2 * reach + 1)  # P(sum = s) at index s + reach
@@ -274,7 +279,8 @@ def _sign_flip_p(steps: np.ndarray) -> float:
                 shifted[:shift] += probability * distribution[-shift:]
         distribution = shifted
     far = np.abs(np.arange(-reach, reach + 1)) >= observed
-    return float(min(1.0, distribution[far].sum()))
+    # Never 0: the true p is at least 2 / 2^n, which a float cannot hold past n ~ 1,000.
+    return float(np.clip(distribution[far].sum(), np.finfo(float).tiny, 1.0))
 
 
 def _bootstrap(a: list[dict], b: list[dict], paired: bool):

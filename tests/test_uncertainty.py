@@ -12,8 +12,9 @@ from statsmodels.stats.weightstats import DescrStatsW
 from evalkit.errors import EvalkitError
 from evalkit.runner import aggregate
 from evalkit.tasks.ppl import perplexity_metrics
-from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _score, compare, samples_needed,
-                                 score_interval)
+from evalkit import uncertainty
+from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _on_one_step, _score, compare,
+                                 samples_needed, score_interval)
 
 
 def binary(scores, task=None):
@@ -112,6 +113,9 @@ def test_the_permutation_p_value_is_every_swap_of_the_samples_pairs_enumerated(s
     tasks = ["niah"] * 3 + ["vt"] * 6  # a group task's score: the mean of its tasks' means
     by_task = lambda x, y: np.mean([(x - y)[:3].mean(), (x - y)[3:].mean()])  # noqa: E731
     assert compare(binary(a, tasks), binary(b, tasks)).p_value == pytest.approx(_swapped_p(a, b, by_task))
+    a, b = rng.uniform(0, 1, 9), rng.uniform(0, 1, 9)  # an F1 or a ROUGE: on no common step
+    assert compare(binary(a), binary(b)).p_value == pytest.approx(_swapped_p(a, b, lambda x, y: x.mean() - y.mean()))
+    assert compare(binary(a, tasks), binary(b, tasks)).p_value == pytest.approx(_swapped_p(a, b, by_task))
     nll, tokens = rng.uniform(10, 30, (2, 9)), rng.integers(5, 15, (2, 9))  # a swap moves nll and tokens together
     passages = [[{"id": f"s{i}", "score": float(np.exp(n / t)), "nll": float(n), "scored_tokens": int(t)}
                  for i, (n, t) in enumerate(zip(*run))] for run in zip(nll, tokens)]
@@ -123,7 +127,7 @@ def test_the_permutation_p_value_is_every_swap_of_the_samples_pairs_enumerated(s
 def test_shares_past_every_swap_get_the_exact_distribution_of_their_sign_flips():
     """Differences on one step (quarters, thirds weighted by 1/n) get an exact p-value at any n: at 18
     samples every swap's, enumerated; at 400 the tail of the sum of sign flips worked out independently (one
-    step size: a binomial; two: two binomials convolved), far below what 10,000 random swaps could resolve."""
+    step size: a binomial; three: their binomials convolved), far below what 10,000 random swaps resolve."""
     rng = np.random.default_rng(5)
     a, b = rng.integers(0, 5, 18) / 4, rng.integers(0, 5, 18) / 4
     signs = np.array(list(itertools.product((1, -1), repeat=18)))  # a swap flips a sample's difference
@@ -146,8 +150,32 @@ def test_shares_past_every_swap_get_the_exact_distribution_of_their_sign_flips()
     assert observed == 85 * 4 + 85 * 7 - 40 * 4 - 40 * 1
     assert compare(binary(a), binary(b)).p_value == pytest.approx(
         sum(p for total, p in sums.items() if abs(total) >= abs(observed)), rel=1e-9)
-    quarters = rng.integers(0, 5, 1280) / 4  # sums of 1,280 quarters in different orders: ties, not larger
-    assert compare(binary(quarters), binary(rng.permutation(quarters))).p_value == 1.0
+
+
+def test_differences_are_put_on_one_step_only_where_they_all_sit_on_it():
+    assert list(_on_one_step(np.array([1 / 3, -2 / 3, 1.0]) / 25)) == [1, -2, 3]  # thirds over 25 samples
+    assert list(_on_one_step(np.array([0.1 + 0.2, -0.3]))) == [3, -3]  # tenths: float noise is not a step
+    assert _on_one_step(np.array([0.25 + 1e-9, 0.5])) is None
+    group = np.r_[np.full(997, 0.25 / (2 * 997)), np.full(1009, 0.25 / (2 * 1009))]  # two tasks' means
+    assert _on_one_step(group) is None  # their common step, 1 / (8 * 997 * 1009), is finer than 1 / FINEST_STEP
+
+
+def test_the_exact_p_value_is_1_at_no_difference_and_never_0():
+    for seed in range(20):  # sums of 1,280 quarters in different orders: ties, not larger, however they round
+        quarters = np.random.default_rng(seed).integers(0, 5, 1280) / 4
+        assert compare(binary(quarters), binary(np.random.default_rng(seed + 99).permutation(quarters))).p_value == 1.0
+    far = compare(binary(np.full(1200, 0.75)), binary(np.full(1200, 0.5)), detect=None)
+    assert 0 < far.p_value < 1e-300  # 2 / 2^1200 is below the smallest float
+
+
+def test_a_distribution_too_long_to_hold_falls_back_to_random_swaps(monkeypatch):
+    rng = np.random.default_rng(7)
+    a, b = rng.integers(0, 5, 18) / 4, rng.integers(0, 5, 18) / 4
+    exact = compare(binary(a), binary(b)).p_value
+    monkeypatch.setattr(uncertainty, "LONGEST_DISTRIBUTION", 8)
+    sampled = compare(binary(a), binary(b)).p_value
+    assert sampled * (RESAMPLES + 1) == pytest.approx(round(sampled * (RESAMPLES + 1)))
+    assert abs(sampled - exact) <= 4 * np.sqrt(exact * (1 - exact) / RESAMPLES) + 1 / RESAMPLES
 
 
 def test_scores_on_no_common_step_past_every_swap_get_10000_random_swaps_plus_one():
@@ -211,5 +239,7 @@ def test_bad_comparisons_are_refused_in_one_line():
         compare([], [])
     with pytest.raises(EvalkitError, match="at least two"):
         compare(binary([0.5]), binary([0.2]))
+    with pytest.raises(EvalkitError, match="no finite score"):
+        compare(binary([0.5, float("nan")]), binary([0.2, 0.3]))
     with pytest.raises(EvalkitError, match="difference to detect"):
         samples_needed(0)
