@@ -35,7 +35,7 @@ Printed in order (`--summary-only`: the first two):
 A cell of a shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`;
 the full cache's cell of the same sample shares the forward and compresses nothing, so the difference,
 averaged over samples, is the compression's time, less what copying the whole prompt's KV into the full cache's
-branch costs over copying what a cell keeps (negative at 8,192 tokens, where that copy outweighs compression).
+branch costs over copying what a cell keeps (negative at 8,192 tokens).
 
 `--plots DIR` writes, per task family and setting but task,
 `granularity-<family>-<model>-<length>-<mode>.png` (then the setting's other fields that differ between
