@@ -270,14 +270,9 @@ def _sign_flip_p(steps: np.ndarray) -> float:
     distribution[reach] = 1.0
     for size, count in zip(sizes.tolist(), counts.tolist()):
         heads = stats.binom.pmf(np.arange(count + 1), count, 0.5)
-        shifted = np.zeros_like(distribution)
-        for j, probability in enumerate(heads):
-            shift = size * (2 * j - count)
-            if shift >= 0:
-                shifted[shift:] += probability * distribution[:len(distribution) - shift]
-            else:
-                shifted[:shift] += probability * distribution[-shift:]
-        distribution = shifted
+        # np.roll never wraps a nonzero: the sum so far and this size's shifts together stay within reach.
+        distribution = sum(probability * np.roll(distribution, size * (2 * j - count))
+                           for j, probability in enumerate(heads))
     far = np.abs(np.arange(-reach, reach + 1)) >= observed
     # Never 0: the true p is at least 2 / 2^n, which a float cannot hold past n ~ 1,000.
     return float(np.clip(distribution[far].sum(), np.finfo(float).tiny, 1.0))
