@@ -48,5 +48,7 @@ LEADERBOARD_RUNS := runs/granularity runs/granularity-query-agnostic runs/study
 leaderboard: setup
 	$(OFFLINE) $(VENV)/bin/evalkit report $(LEADERBOARD_RUNS) -o docs/leaderboard
 
+# Keeps the committed study folders (.gitignore): they hold hours of sweeps.
 clean:
-	rm -rf $(VENV) runs wandb report .pytest_cache .hypothesis
+	rm -rf $(VENV) wandb report .pytest_cache .hypothesis
+	git clean -fdXq runs
