@@ -4,7 +4,7 @@ PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-.PHONY: setup browser run test test-fast bench leaderboard clean
+.PHONY: setup browser run test test-fast bench study leaderboard clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,16 @@ test-fast: setup
 
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench
+
+# The study's sweeps (docs/granularity.md keeps the plan), unfinished grids first, then those whose folders a
+# replaced machine took; each resumes where it stopped. `make -j2 study`: two at a time, one torch thread each
+# (on the busy 2-core machine one thread a process was 2.9x faster than two, docs/sweeps.md).
+STUDY := lengths_query_agnostic scorers_4k ruler_4k_baseline ruler_4k lengths_query_aware gemma3_4k_baseline gemma3_4k
+
+study: $(addprefix study-,$(STUDY))
+
+study-%: setup
+	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/evalkit sweep --config configs/study/$*.yaml --wandb off
 
 # The study's leaderboard (docs/leaderboard/: index.html, PNGs, leaderboard.csv) from its results folders, read
 # only; a run still being written is listed as left out, and the next `make leaderboard` adds it.
