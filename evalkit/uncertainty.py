@@ -14,8 +14,10 @@ module decides which method fits which scores (docs/statistics.md).
   the sum of their sign flips, worked out), or up to EXACT_UP_TO samples (every swap enumerated); otherwise
   RESAMPLES random swaps with seed SEED. It holds its level at any n, where the bootstrap's p-value (the
   resampled differences centred on zero) rejects too often on few samples.
-The difference of two runs always carries a paired bootstrap interval (too narrow on few samples: the verdict
-is the test's).
+The difference of two runs carries an interval that does not shrink below what few samples say: pass/fail
+scores Newcombe's square-and-add interval for paired proportions (Wilson intervals of the two runs' scores,
+combined with their correlation), other scores linear in the samples' the Student t interval of the weighted
+per-sample differences (`scipy.stats.ttest_1samp`), perplexity a paired percentile bootstrap.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Comparison:
     difference: float  # score of A minus score of B, in score units (a fraction for binary scores)
     ci_low: float
     ci_high: float
+    interval: str  # "Newcombe", "Student t" or "paired bootstrap"
     p_value: float
     test: str  # "exact McNemar" or "paired permutation"
     only_a: int  # samples where A scored higher than B (binary: passed where B failed)
@@ -95,8 +98,7 @@ def score_interval(records: list[dict]) -> Interval:
         raise EvalkitError("no samples: a score needs at least one")
     n = len(records)
     if is_binary(records) and not _tasks(records) and not _is_perplexity(records):
-        low, high = stats.binomtest(sum(int(r["score"]) for r in records), n).proportion_ci(CONFIDENCE, "wilson")
-        return Interval(n, float(low), float(high), "wilson")
+        return Interval(n, *_wilson(sum(int(r["score"]) for r in records), n), "wilson")
     result = _bootstrap(records, records, paired=False)
     low, high = result.confidence_interval if result is not None else (None, None)
     return Interval(n, _float(low), _float(high), "bootstrap", ci_resamples=RESAMPLES, ci_seed=SEED)
@@ -116,10 +118,8 @@ def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Compar
     unscored = [r["id"] for r in a + b if not np.isfinite(float(r["score"]))]
     if unscored:
         raise EvalkitError(f"sample {unscored[0]} has no finite score: a paired comparison needs every score")
-    result = _bootstrap(a, b, paired=True)
-    if result is None:
-        raise EvalkitError(f"{len(a)} sample{'s' if len(a) > 1 else ''}: a paired comparison needs at least two")
-    low, high = result.confidence_interval
+    if len(a) < 2:
+        raise EvalkitError("1 sample: a paired comparison needs at least two")
     difference = _score(a) - _score(b)
     scores_a, scores_b = _per_sample(a), _per_sample(b)
     only_a, only_b = int((scores_a > scores_b).sum()), int((scores_a < scores_b).sum())
@@ -129,16 +129,56 @@ def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Compar
     if is_binary(a) and is_binary(b) and not _tasks(a):
         p = 1.0 if only_a + only_b == 0 else float(stats.binomtest(only_a, only_a + only_b).pvalue)
         needed = None if detect is None else samples_needed(detect, (only_a + only_b) / len(a) or None)
-        return Comparison(len(a), "binary", difference, float(low), float(high), p, "exact McNemar", only_a,
-                          only_b, needed, detect, higher_is_better)
+        both = int((scores_a * scores_b).sum())
+        interval = _newcombe_interval(both, only_a, only_b, len(a) - both - only_a - only_b)
+        return Comparison(len(a), "binary", difference, *interval, "Newcombe", p,
+                          "exact McNemar", only_a, only_b, needed, detect, higher_is_better)
     p = _permutation_p(a, b)
-    sd = float(np.std(scores_a - scores_b, ddof=1)) if len(a) > 1 else None
+    if _is_perplexity(a):
+        low, high, interval = *_bootstrap(a, b, paired=True).confidence_interval, "paired bootstrap"
+    else:
+        low, high, interval = *_t_interval(len(a) * _weights(a) * (scores_a - scores_b)), "Student t"
+    sd = float(np.std(scores_a - scores_b, ddof=1))
     needed = None if detect is None or not higher_is_better else samples_needed(detect, difference_sd=sd or None)
-    return Comparison(len(a), "continuous", difference, float(low), float(high), p, "paired permutation", only_a,
-                      only_b, needed, detect, higher_is_better)
+    return Comparison(len(a), "continuous", difference, float(low), float(high), interval, p, "paired permutation",
+                      only_a, only_b, needed, detect, higher_is_better)
 
 
-@functools.lru_cache(maxsize=256)  # pure, and a sweep's plan asks the same question for every cell
+@functools.lru_cache(maxsize=4096)
+def _wilson(passed: int, n: int) -> tuple[float, float]:
+    low, high = stats.binomtest(passed, n).proportion_ci(CONFIDENCE, "wilson")
+    return float(low), float(high)
+
+
+def _newcombe_interval(both: int, only_a: int, only_b: int, neither: int) -> tuple[float, float]:
+    """Newcombe's square-and-add interval for the difference of two paired proportions (Newcombe 1998,
+    Statistics in Medicine 17:2635, method 10; as Fagerland, Lydersen and Laake recommend it): each run's
+    Wilson interval, its distances to the run's score combined as for a sum of correlated errors, with the
+    samples' phi correlation (its numerator less n/2 when positive, as theirs)."""
+    n = both + only_a + only_b + neither
+    score_a, score_b = (both + only_a) / n, (both + only_b) / n
+    (low_a, high_a), (low_b, high_b) = _wilson(both + only_a, n), _wilson(both + only_b, n)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    association = both * neither - only_a * only_b
+    association = association - n / 2 if association > n / 2 else min(association, 0)
+    phi = association / math.sqrt(margins) if margins else 0.0
+
+    def spread(x: float, y: float) -> float:
+        return math.sqrt(x * x + y * y - 2 * phi * x * y)
+
+    difference = score_a - score_b
+    return (max(-1.0, difference - spread(score_a - low_a, high_b - score_b)),
+            min(1.0, difference + spread(score_b - low_b, high_a - score_a)))
+
+
+def _t_interval(differences: np.ndarray) -> tuple[float, float]:
+    """The Student t interval of the mean of `differences` (all equal: that value, no spread to widen it)."""
+    if np.all(differences == differences[0]):
+        return float(differences[0]), float(differences[0])
+    low, high = stats.ttest_1samp(differences, 0.0).confidence_interval(CONFIDENCE)
+    return float(low), float(high)
+
+
 def samples_needed(detect: float, discordance: float | None = None, difference_sd: float | None = None) -> int:
     """Samples a paired comparison needs to detect a difference of `detect` (a fraction of the score range)
     with the power POWER at the level ALPHA: for pass/fail scores, the exact McNemar test's own power at the
@@ -202,6 +242,15 @@ def _by_task(values: np.ndarray, records: list[dict]) -> list[np.ndarray]:
     return [values[of == task] for task in tasks]
 
 
+def _weights(records: list[dict]) -> np.ndarray:
+    """Each sample's weight [n] in the score: the mean of the tasks' means is linear in the samples' scores."""
+    parts = _by_task(np.arange(len(records)), records)
+    weight = np.zeros(len(records))
+    for part in parts:
+        weight[part] = 1 / (len(parts) * len(part))
+    return weight
+
+
 EXACT_UP_TO = 16  # samples: up to 2^16 swaps are all enumerated, beyond that RESAMPLES random ones
 _TIE = 1e-9  # of the score (relative, for perplexity): swaps this close to the observed distance are ties
 FINEST_STEP = 10**6  # of the score's unit: terms on a coarser common step get the exact distribution
@@ -223,12 +272,7 @@ def _permutation_p(a: list[dict], b: list[dict]) -> float:
                           - np.exp(nll[of_b].sum(axis) / tokens[of_b].sum(axis)))
         data, tie = (np.arange(n), np.arange(n, 2 * n)), _TIE * max(_score(a), _score(b))
     else:
-        parts = _by_task(np.arange(n), a)
-        weight = np.zeros(n)  # the score is the mean of the tasks' means: linear in the samples' scores
-        for part in parts:
-            weight[part] = 1 / (len(parts) * len(part))
-
-        terms = weight * (_per_sample(a) - _per_sample(b))
+        terms = _weights(a) * (_per_sample(a) - _per_sample(b))
         steps = _on_one_step(terms)
         if steps is not None and 2 * np.abs(steps).sum() + 1 <= LONGEST_DISTRIBUTION:
             return _sign_flip_p(steps)

@@ -81,6 +81,34 @@ def test_binary_runs_are_compared_with_the_exact_mcnemar_test(only_a, only_b, bo
     assert result.ci_low <= result.difference <= result.ci_high
 
 
+def test_a_pass_fail_difference_gets_newcombes_square_and_add_interval():
+    """Fagerland, Lydersen and Laake's worked example (Statistical Analysis of Contingency Tables, ch. 8;
+    Cavo et al. 2012: 59 pairs both passed, 6 only A, 16 only B, 80 neither): -0.0621, 95 % CI -0.1186 to -0.0046."""
+    a = [1] * 59 + [1] * 6 + [0] * 16 + [0] * 80
+    b = [1] * 59 + [0] * 6 + [1] * 16 + [0] * 80
+    result = compare(binary(a), binary(b))
+    assert result.interval == "Newcombe"
+    assert [round(x, 4) for x in (result.difference, result.ci_low, result.ci_high)] == [-0.0621, -0.1186, -0.0046]
+    same = compare(binary([1] * 20), binary([1] * 20))  # no disagreement: still as wide as 20 samples allow
+    assert same.ci_low < 0 < same.ci_high and same.ci_low == pytest.approx(-same.ci_high)
+
+
+@pytest.mark.parametrize("n", [10, 25])
+@pytest.mark.parametrize("probabilities", [(0.4, 0.1, 0.1, 0.4), (0.7, 0.2, 0.05, 0.05), (0.1, 0.3, 0.1, 0.5),
+                                           (0.3, 0.0, 0.2, 0.5), (0.05, 0.4, 0.05, 0.5)])
+def test_the_pass_fail_interval_covers_the_true_difference_near_95_percent_of_the_time(n, probabilities):
+    """Exact coverage: every table of n pairs (both, only A, only B, neither), weighted by its multinomial
+    probability. Newcombe's interval covers 0.943-0.989 of the time in these settings; the percentile bootstrap
+    evalkit used before covered 0.868-0.907 at n = 10 in four of them (measured once, 1,000 resamples)."""
+    truth = probabilities[1] - probabilities[2]
+    tables = np.array([(n - x - y - z, x, y, z) for x in range(n + 1) for y in range(n + 1 - x)
+                       for z in range(n + 1 - x - y)])
+    weights = stats.multinomial.pmf(tables, n, probabilities)
+    covered = [low - 1e-12 <= truth <= high + 1e-12 for low, high in itertools.starmap(
+        uncertainty._newcombe_interval, tables.tolist())]
+    assert weights.sum() == pytest.approx(1) and weights @ covered >= 0.94
+
+
 def test_continuous_runs_are_compared_with_a_paired_permutation_test():
     rng = np.random.default_rng(2)
     base = rng.uniform(0, 1, 60)
@@ -91,10 +119,9 @@ def test_continuous_runs_are_compared_with_a_paired_permutation_test():
     assert shifted.verdict("snapkv", "h2o").startswith("snapkv better, p = ")
     noise = compare(binary(np.clip(base + rng.normal(0, 0.02, 60), 0, 1)), binary(base))
     assert noise.p_value > ALPHA and noise.ci_low < 0 < noise.ci_high
-    # The paired interval is scipy's bootstrap of the per-sample differences.
-    own = stats.bootstrap((np.clip(base + 0.2, 0, 1) - base,), np.mean, n_resamples=RESAMPLES, method="percentile",
-                          rng=np.random.default_rng(SEED)).confidence_interval
-    assert (shifted.ci_low, shifted.ci_high) == pytest.approx((own.low, own.high))
+    # The paired interval is scipy's Student t interval of the per-sample differences.
+    own = stats.ttest_1samp(np.clip(base + 0.2, 0, 1) - base, 0).confidence_interval(0.95)
+    assert shifted.interval == "Student t" and (shifted.ci_low, shifted.ci_high) == pytest.approx((own.low, own.high))
 
 
 def _swapped_p(a: np.ndarray, b: np.ndarray, statistic) -> float:
