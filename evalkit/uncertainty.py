@@ -14,8 +14,9 @@ module decides which method fits which scores (docs/statistics.md).
   the sum of their sign flips, worked out), or up to EXACT_UP_TO samples (every swap enumerated); otherwise
   RESAMPLES random swaps with seed SEED. It holds its level at any n, where the bootstrap's p-value (the
   resampled differences centred on zero) rejects too often on few samples.
-The difference of two runs carries an interval that does not shrink below what few samples say: pass/fail
-scores Newcombe's square-and-add interval for paired proportions (Wilson intervals of the two runs' scores,
+The difference of two runs carries an interval that holds near its 95 % on few samples, where the percentile
+bootstrap evalkit used before was too narrow: pass/fail scores (and group tasks of equal tasks of them) get
+Newcombe's square-and-add interval for paired proportions (Wilson intervals of the two runs' scores,
 combined with their correlation), other scores linear in the samples' the Student t interval of the weighted
 per-sample differences (`scipy.stats.ttest_1samp`), perplexity a paired percentile bootstrap.
 """
@@ -41,6 +42,7 @@ POWER = 0.8  # of `samples_needed`
 # independent runs scoring near 50 % do): more samples than paired runs usually need.
 DEFAULT_DISCORDANCE = 0.5
 DEFAULT_DIFFERENCE_SD = 0.5  # the same for continuous scores in [0, 1]
+_RESAMPLING = dict(n_resamples=RESAMPLES, method="percentile", confidence_level=CONFIDENCE, vectorized=True)
 
 
 @dataclass
@@ -99,7 +101,7 @@ def score_interval(records: list[dict]) -> Interval:
     n = len(records)
     if is_binary(records) and not _tasks(records) and not _is_perplexity(records):
         return Interval(n, *_wilson(sum(int(r["score"]) for r in records), n), "wilson")
-    result = _bootstrap(records, records, paired=False)
+    result = _bootstrap(records)
     low, high = result.confidence_interval if result is not None else (None, None)
     return Interval(n, _float(low), _float(high), "bootstrap", ci_resamples=RESAMPLES, ci_seed=SEED)
 
@@ -123,22 +125,30 @@ def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Compar
     difference = _score(a) - _score(b)
     scores_a, scores_b = _per_sample(a), _per_sample(b)
     only_a, only_b = int((scores_a > scores_b).sum()), int((scores_a < scores_b).sum())
-    higher_is_better = not _is_perplexity(a)
-    if not higher_is_better:
+    perplexity = _is_perplexity(a)
+    higher_is_better = not perplexity
+    if perplexity:
         only_a, only_b = only_b, only_a
-    if is_binary(a) and is_binary(b) and not _tasks(a):
+    pass_fail = is_binary(a) and is_binary(b) and not perplexity
+    both = int((scores_a * scores_b).sum())
+    pairs = (both, only_a, only_b, len(a) - both - only_a - only_b)
+    if pass_fail and not _tasks(a):
         p = 1.0 if only_a + only_b == 0 else float(stats.binomtest(only_a, only_a + only_b).pvalue)
         needed = None if detect is None else samples_needed(detect, (only_a + only_b) / len(a) or None)
-        both = int((scores_a * scores_b).sum())
-        interval = _newcombe_interval(both, only_a, only_b, len(a) - both - only_a - only_b)
-        return Comparison(len(a), "binary", difference, *interval, "Newcombe", p,
+        return Comparison(len(a), "binary", difference, *_newcombe_interval(*pairs), "Newcombe", p,
                           "exact McNemar", only_a, only_b, needed, detect, higher_is_better)
     p = _permutation_p(a, b)
-    if _is_perplexity(a):
-        low, high, interval = *_bootstrap(a, b, paired=True).confidence_interval, "paired bootstrap"
+    weights = _weights(a)
+    weighted = len(a) * weights * (scores_a - scores_b)  # their mean: the difference of the scores
+    if perplexity:
+        low, high, interval = *_perplexity_bootstrap(a, b).confidence_interval, "paired bootstrap"
+    elif pass_fail and np.ptp(weights) == 0:  # a group task of equal tasks: its score is the pooled share passed
+        low, high, interval = *_newcombe_interval(*pairs), "Newcombe"
     else:
-        low, high, interval = *_t_interval(len(a) * _weights(a) * (scores_a - scores_b)), "Student t"
-    sd = float(np.std(scores_a - scores_b, ddof=1))
+        low, high, interval = *_t_interval(weighted), "Student t"
+        if all(0 <= s <= 1 for s in np.r_[scores_a, scores_b]):  # shares, F1: a difference within [-1, 1]
+            low, high = max(low, -1.0), min(high, 1.0)
+    sd = float(np.std(weighted, ddof=1))
     needed = None if detect is None or not higher_is_better else samples_needed(detect, difference_sd=sd or None)
     return Comparison(len(a), "continuous", difference, float(low), float(high), interval, p, "paired permutation",
                       only_a, only_b, needed, detect, higher_is_better)
@@ -172,13 +182,15 @@ def _newcombe_interval(both: int, only_a: int, only_b: int, neither: int) -> tup
 
 
 def _t_interval(differences: np.ndarray) -> tuple[float, float]:
-    """The Student t interval of the mean of `differences` (all equal: that value, no spread to widen it)."""
-    if np.all(differences == differences[0]):
-        return float(differences[0]), float(differences[0])
+    """The Student t interval of the mean of `differences`; where they are all equal it has no spread, and is
+    that value (as the bootstrap's was: docs/statistics.md)."""
+    if np.ptp(differences) <= 1e-12:
+        return float(differences.mean()), float(differences.mean())
     low, high = stats.ttest_1samp(differences, 0.0).confidence_interval(CONFIDENCE)
     return float(low), float(high)
 
 
+@functools.lru_cache(maxsize=256)  # pure, and a sweep's plan asks the same question for every cell
 def samples_needed(detect: float, discordance: float | None = None, difference_sd: float | None = None) -> int:
     """Samples a paired comparison needs to detect a difference of `detect` (a fraction of the score range)
     with the power POWER at the level ALPHA: for pass/fail scores, the exact McNemar test's own power at the
@@ -322,29 +334,34 @@ def _sign_flip_p(steps: np.ndarray) -> float:
     return float(np.clip(distribution[far].sum(), np.finfo(float).tiny, 1.0))
 
 
-def _bootstrap(a: list[dict], b: list[dict], paired: bool):
-    """scipy's percentile bootstrap, by sample, of score(a), or (paired) of score(a) - score(b) on the same
-    resampled samples. A group task's score is the mean of its tasks' means: its samples are resampled
-    within each task (scipy resamples independent samples independently), and since that score is linear,
-    a paired difference is the same mean over the per-sample differences."""
-    if len(a) < 2:
+def _bootstrap(records: list[dict]):
+    """scipy's percentile bootstrap, by sample, of the records' score. A group task's score is the mean of its
+    tasks' means: its samples are resampled within each task (scipy resamples independent samples
+    independently)."""
+    if len(records) < 2:
         return None
-    method = dict(n_resamples=RESAMPLES, method="percentile", confidence_level=CONFIDENCE,
-                  rng=np.random.default_rng(SEED), vectorized=True)
-    if _is_perplexity(a):
-        columns = [np.array([r[key] for r in run], dtype=float) for run in ((a, b) if paired else (a,))
-                   for key in ("nll", "scored_tokens")]
-
-        def perplexity(*columns, axis=-1):
-            values = [np.exp(nll.sum(axis) / tokens.sum(axis)) for nll, tokens in zip(columns[::2], columns[1::2])]
-            return values[0] - values[1] if paired else values[0]
-
-        return stats.bootstrap(columns, perplexity, paired=True, **method)
-    values = _per_sample(a) - _per_sample(b) if paired else _per_sample(a)
-    parts = _by_task(values, a)
+    if _is_perplexity(records):
+        return _perplexity_bootstrap(records)
+    parts = _by_task(_per_sample(records), records)
     fixed = [float(part[0]) for part in parts if len(part) == 1]  # a task of one sample: nothing to resample
     parts = [part for part in parts if len(part) > 1]
     if not parts:
         return None
-    return stats.bootstrap(parts, lambda *parts, axis=-1: np.mean(np.broadcast_arrays(*[p.mean(axis) for p in parts],
-                                                                                   *fixed), axis=0), **method)
+
+    def score(*parts, axis=-1):
+        return np.mean(np.broadcast_arrays(*[part.mean(axis) for part in parts], *fixed), axis=0)
+
+    return stats.bootstrap(parts, score, rng=np.random.default_rng(SEED), **_RESAMPLING)
+
+
+def _perplexity_bootstrap(a: list[dict], b: list[dict] | None = None):
+    """scipy's percentile bootstrap of a run's perplexity over its passages, or (b given) of perplexity(a) -
+    perplexity(b) on the same resampled passages."""
+    runs = (a,) if b is None else (a, b)
+    columns = [np.array([r[key] for r in run], dtype=float) for run in runs for key in ("nll", "scored_tokens")]
+
+    def perplexity(*columns, axis=-1):
+        values = [np.exp(nll.sum(axis) / tokens.sum(axis)) for nll, tokens in zip(columns[::2], columns[1::2])]
+        return values[0] if b is None else values[0] - values[1]
+
+    return stats.bootstrap(columns, perplexity, paired=True, rng=np.random.default_rng(SEED), **_RESAMPLING)

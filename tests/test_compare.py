@@ -39,7 +39,7 @@ def test_compare_prints_the_paired_difference_and_a_verdict(tmp_path, monkeypatc
     p = stats.binomtest(14, 14).pvalue
     lines = out.splitlines()
     assert lines[0].startswith("A  a-snapkv_head_page  score 80.0 [")
-    assert "A − B: +70.0 [" in lines[2] and f"exact McNemar p = {p:.3g}" in lines[2]
+    assert "A − B: +70.0 [" in lines[2] and f"(Newcombe); exact McNemar p = {p:.3g}" in lines[2]
     assert "only A better on 14, only B on 0 of 20 samples" in lines[2]
     assert lines[3] == f"A better, p = {p:.3g}"
     code, out, _ = evalkit(monkeypatch, capsys, "compare", str(tmp_path / "b-snapkv_token"),
@@ -47,6 +47,7 @@ def test_compare_prints_the_paired_difference_and_a_verdict(tmp_path, monkeypatc
     result = json.loads(out)
     assert code == 0 and result["verdict"] == f"B better, p = {p:.3g}" and result["p_value"] == pytest.approx(p)
     assert result["a"]["ci_method"] == "wilson" and result["difference"] == pytest.approx(-0.7)
+    assert result["interval"] == "Newcombe" and result["ci_low"] < -0.7 < result["ci_high"]
 
 
 def test_compare_with_the_baseline_finds_the_full_run(tmp_path, monkeypatch, capsys):

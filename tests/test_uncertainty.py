@@ -99,7 +99,7 @@ def test_a_pass_fail_difference_gets_newcombes_square_and_add_interval():
 def test_the_pass_fail_interval_covers_the_true_difference_near_95_percent_of_the_time(n, probabilities):
     """Exact coverage: every table of n pairs (both, only A, only B, neither), weighted by its multinomial
     probability. Newcombe's interval covers 0.943-0.989 of the time in these settings; the percentile bootstrap
-    evalkit used before covered 0.868-0.907 at n = 10 in four of them (measured once, 1,000 resamples)."""
+    evalkit used before covered 0.866-0.907 at n = 10 in four of them (scripts/interval_coverage.py)."""
     truth = probabilities[1] - probabilities[2]
     tables = np.array([(n - x - y - z, x, y, z) for x in range(n + 1) for y in range(n + 1 - x)
                        for z in range(n + 1 - x - y)])
@@ -122,6 +122,33 @@ def test_continuous_runs_are_compared_with_a_paired_permutation_test():
     # The paired interval is scipy's Student t interval of the per-sample differences.
     own = stats.ttest_1samp(np.clip(base + 0.2, 0, 1) - base, 0).confidence_interval(0.95)
     assert shifted.interval == "Student t" and (shifted.ci_low, shifted.ci_high) == pytest.approx((own.low, own.high))
+
+
+def test_the_difference_interval_weighs_samples_as_the_score_does():
+    """A group task's t interval is of n x weight x difference (their mean: the difference of the scores); a
+    group of equal pass/fail tasks is a pooled share, and gets Newcombe's; perplexity keeps the bootstrap;
+    differences all equal give that value; shares' intervals stay within [-1, 1]."""
+    rng = np.random.default_rng(7)
+    a, b = rng.integers(0, 5, 9) / 4, rng.integers(0, 5, 9) / 4
+    tasks = ["niah"] * 3 + ["vt"] * 6
+    weighted = 9 * np.r_[np.full(3, 1 / 6), np.full(6, 1 / 12)] * (a - b)
+    result = compare(binary(a, tasks), binary(b, tasks))
+    assert result.difference == pytest.approx(weighted.mean()) and result.interval == "Student t"
+    own = stats.ttest_1samp(weighted, 0).confidence_interval(0.95)
+    assert (result.ci_low, result.ci_high) == pytest.approx((max(own.low, -1), min(own.high, 1)))
+    passed_a, passed_b = rng.integers(0, 2, 20), rng.integers(0, 2, 20)
+    pooled = compare(binary(passed_a), binary(passed_b))
+    grouped = compare(binary(passed_a, ["niah", "vt"] * 10), binary(passed_b, ["niah", "vt"] * 10))
+    assert grouped.interval == pooled.interval == "Newcombe"
+    assert (grouped.ci_low, grouped.ci_high) == pytest.approx((pooled.ci_low, pooled.ci_high))
+    nll, tokens = rng.uniform(10, 30, (2, 9)), rng.integers(5, 15, (2, 9))
+    passages = [[{"id": f"s{i}", "score": float(np.exp(n / t)), "nll": float(n), "scored_tokens": int(t)}
+                 for i, (n, t) in enumerate(zip(*run))] for run in zip(nll, tokens)]
+    assert compare(*passages).interval == "paired bootstrap"
+    ahead = compare(binary([0.5, 0.75, 1.0]), binary([0.25, 0.5, 0.75]))  # every sample a quarter better
+    assert (ahead.ci_low, ahead.ci_high) == pytest.approx((0.25, 0.25)) and ahead.p_value == 0.25
+    wide = compare(binary([1.0, 0.25]), binary([0.0, 0.5]))  # t with one degree of freedom
+    assert (wide.ci_low, wide.ci_high) == (-1.0, 1.0)
 
 
 def _swapped_p(a: np.ndarray, b: np.ndarray, statistic) -> float:
