@@ -50,8 +50,8 @@ def compare_runs(a: str, b: str | None, baseline: bool, runs: Path, detect: floa
                       f"n = {interval.n}")
     console.print(f"A − B: {_points(result.difference, percent, signed=True)} "
                   f"[{_points(result.ci_low, percent, signed=True)}, {_points(result.ci_high, percent, signed=True)}]"
-                  f" ({result.interval}); {result.test} p = {result.p_value:.3g}; only A better on {result.only_a}, only B on "
-                  f"{result.only_b} of {result.n} samples")
+                  f" ({result.interval}); {result.test} p = {result.p_value:.3g}; only A better on {result.only_a}, "
+                  f"only B on {result.only_b} of {result.n} samples")
     console.print(result.verdict())
 
 
