@@ -33,18 +33,16 @@ def bootstrap_covers(differences: np.ndarray, truth: float, rng, resamples: int)
 def pass_fail(n: int, probabilities: tuple, with_bootstrap: bool) -> tuple[float, float | None]:
     truth = probabilities[1] - probabilities[2]
     rng = np.random.default_rng(0)
-    newcombe = bootstrap = 0.0
-    for x in range(n + 1):
-        for y in range(n + 1 - x):
-            for z in range(n + 1 - x - y):
-                table = (n - x - y - z, x, y, z)
-                weight = stats.multinomial.pmf(table, n, probabilities)
-                low, high = _newcombe_interval(*table)
-                newcombe += weight * (low - 1e-12 <= truth <= high + 1e-12)
-                if with_bootstrap:
-                    differences = np.r_[np.zeros(table[0] + table[3]), np.ones(x), -np.ones(y)]
-                    bootstrap += weight * bootstrap_covers(differences, truth, rng, 1_000)
-    return newcombe, bootstrap if with_bootstrap else None
+    tables = [(n - x - y - z, x, y, z) for x in range(n + 1) for y in range(n + 1 - x) for z in range(n + 1 - x - y)]
+    weights = stats.multinomial.pmf(tables, n, probabilities)
+    newcombe = sum(weight * (low - 1e-12 <= truth <= high + 1e-12)
+                   for weight, (low, high) in zip(weights, (_newcombe_interval(*table) for table in tables)))
+    if not with_bootstrap:
+        return newcombe, None
+    bootstrap = sum(weight * bootstrap_covers(np.r_[np.zeros(both + neither), np.ones(only_a), -np.ones(only_b)],
+                                              truth, rng, 1_000)
+                    for weight, (both, only_a, only_b, neither) in zip(weights, tables))
+    return newcombe, bootstrap
 
 
 def shares(n: int, finds_a: float, finds_b: float, shared: float, rng) -> np.ndarray:
