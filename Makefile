@@ -44,7 +44,8 @@ bench: setup
 # The study's sweeps (docs/granularity.md keeps the plan), unfinished grids first, then those whose folders a
 # replaced machine took; each resumes where it stopped. `make -j2 study`: two at a time, one torch thread each
 # (on the busy 2-core machine one thread a process was 2.9x faster than two, docs/sweeps.md).
-STUDY := lengths_query_agnostic scorers_4k ruler_4k_baseline ruler_4k lengths_query_aware gemma3_4k_baseline gemma3_4k
+STUDY := lengths_query_agnostic scorers_4k ruler_4k_baseline ruler_4k ruler_4k_unsolved lengths_query_aware \
+         gemma3_4k_baseline gemma3_4k gemma3_4k_unsolved
 
 study: $(addprefix study-,$(STUDY))
 
