@@ -31,7 +31,10 @@ Printed in order (`--summary-only`: the first two):
   the samples both runs finished: exact McNemar for pass/fail scores (a paired permutation test where scores are
   fractions, as `evalkit.uncertainty.compare` chooses), Holm-adjusted over these ten within a scorer x
   budget, a comparison that cannot be made counting as p = 1;
-- the block-size slice, where the folders hold more than one block size.
+- the block-size slice, where the folders hold more than one block size;
+- with `--failures`, per setting whose answer is one number (the needles but multi-value and multi-query): per
+  cell, its failures on the samples the full cache answers, by what the answer's first number is — the
+  value's first digits, another number of the value's length, another number, or none (`failures_table`).
 A cell of a shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`;
 the full cache's cell of the same sample shares the forward and compresses nothing, so the difference,
 averaged over samples, is the compression's time, less what copying the whole prompt's KV into the full cache's
@@ -425,6 +428,47 @@ def paired_tables(groups: list[SettingRuns]) -> str:
     return "\n".join(out)
 
 
+FAILURE_KINDS = ("first digits", "value-length number", "other number", "no number")
+
+
+def failure_kind(prediction: str, value: str) -> str:
+    """How an answer that misses the numeric needle `value` misses it, by the answer's first run of digits:
+    the value's first digits (`26.` for 2656973: the value began and was cut), another number of the value's
+    length (another needle's value, or one made up), another number (`1.`, `500.`), or no number at all."""
+    number = re.search(r"\d+", prediction)
+    if number is None:
+        return "no number"
+    digits = number.group()
+    if value.startswith(digits):
+        return "first digits"
+    return "value-length number" if len(digits) == len(value) else "other number"
+
+
+def failures_table(groups: list[SettingRuns]) -> str:
+    """Per setting whose references are one number a sample (the needles but multi-value and multi-query), per
+    cell: the samples the full cache answers and the cell does not, counted by `failure_kind` — what eviction
+    took of the value."""
+    out = []
+    for here in groups:
+        if here.full is None or not all(len(r["references"]) == 1 and r["references"][0].isdigit()
+                                        for r in here.full["records"]):
+            continue
+        answered = {r["id"]: r["references"][0] for r in here.full["records"] if r["score"] == 1.0}
+        out += [f"**{here.name}: what the failures kept** (samples the full cache answers, {len(answered)} of "
+                f"{len(here.full['records'])}, that the cell does not; by the answer's first number)", "",
+                "| policy @ budget | failures | " + " | ".join(FAILURE_KINDS) + " |",
+                "|---|" + "---:|" * (len(FAILURE_KINDS) + 1)]
+        for run in sorted(here.cells, key=lambda r: (r["scorer"], GRANULARITY_ORDER.index(r["granularity"]),
+                                                     r["config"]["budget"])):
+            kinds = [failure_kind(r["prediction"], answered[r["id"]]) for r in run["records"]
+                     if r["id"] in answered and r["score"] < 1.0]
+            label = policy_label(run["config"]["policy"], run["config"]["granularity"])
+            out.append(f"| `{label}` @ {run['config']['budget']} | {len(kinds)} | "
+                       + " | ".join(str(kinds.count(kind)) for kind in FAILURE_KINDS) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def block_table(runs: list[dict]) -> str:
     """H2O's pages at 0.2 on `niah_single_2`, query-aware, per block size: one table per setting (its block
     size aside) that has more than one block size."""
@@ -560,6 +604,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", help="run folders written by `evalkit sweep` (runs/<name>)")
     parser.add_argument("--summary-only", action="store_true", help="print the summary table only")
+    parser.add_argument("--failures", action="store_true",
+                        help="also print, per needle setting, how each cell's failed answers miss the value")
     parser.add_argument("--plots", metavar="DIR", type=Path,
                         help="also write one PNG per task family and setting (but task) into DIR")
     args = parser.parse_args()
@@ -572,6 +618,8 @@ def main() -> None:
             print(tables(groups))
             print(paired_tables(groups))
             print(block_table(runs))
+        if args.failures:
+            print(failures_table(groups))
         if args.plots:
             for path in plot_families(groups, args.plots):
                 print(path)

@@ -24,10 +24,12 @@ def script():
 
 def write_run(root: Path, task: str, policy: str, budget: float, scores: list[float], *, length: int = 2048,
               model: str = "smollm2-135m", query_aware: bool = True, finished: bool = True, omit: tuple = (),
-              created: str = "2026-12-03T00:00:00+0000", prefill_seconds: float = 1.0, **fields) -> Path:
+              created: str = "2026-12-03T00:00:00+0000", prefill_seconds: float = 1.0, answers: tuple = (),
+              value: str | None = None, **fields) -> Path:
     """A run folder as the runner leaves it: config.json (any other RunConfig `fields`; `omit`: fields an
-    older evalkit did not write), one prediction line a finished sample, and metrics.json once the run is
-    complete. The folder is named after the config's digest, as the runner names it."""
+    older evalkit did not write), one prediction line a finished sample (its answer from `answers`, its
+    reference `value`, where given), and metrics.json once the run is complete. The folder is named after the
+    config's digest, as the runner names it."""
     config = {"task": task, "length": length, "model": model, "policy": policy, "budget": budget,
               "block_size": 16, "query_aware": query_aware, "samples": len(scores), "sliding_layers": "budget",
               "granularity": None, **fields}
@@ -38,7 +40,8 @@ def write_run(root: Path, task: str, policy: str, budget: float, scores: list[fl
     (run / "config.json").write_text(json.dumps({"config": config, "run_id": run.name, "created": created}))
     full_bytes = 1000 * length
     records = [{"id": f"{task}-{i:04d}", "score": score, "bytes_full": full_bytes, "bytes_held": budget * full_bytes,
-                "bytes_ideal": budget * full_bytes, "prefill_seconds": prefill_seconds, "prediction": "", "references": []}
+                "bytes_ideal": budget * full_bytes, "prefill_seconds": prefill_seconds,
+                "prediction": answers[i] if answers else "", "references": [value] if value else []}
                for i, score in enumerate(scores)]
     (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if finished:
@@ -351,3 +354,28 @@ def test_compression_time_is_shown_only_against_a_full_cache_that_shared_the_pre
     by_task = {chunk.split(",")[0]: chunk for chunk in tables[1:]}
     assert "| 0.50 |" in by_task["niah_single_1"], by_task["niah_single_1"]
     assert "| – |" in by_task["fwe"] and "-26.50" not in by_task["fwe"], by_task["fwe"]
+
+
+@pytest.mark.parametrize("prediction, kind", [(" 26.", "first digits"), (" 265.99", "first digits"),
+                                              (" 6088743.", "value-length number"), (" 1.", "other number"),
+                                              (" 26569731", "other number"), (" The number is", "no number")])
+def test_a_failed_answer_is_named_by_its_first_number(script, prediction, kind):
+    assert script.failure_kind(prediction, "2656973") == kind
+
+
+def test_failures_are_counted_on_the_samples_the_full_cache_answers(script, tmp_path):
+    value = "2656973"
+    write_run(tmp_path, "ruler:niah_single_2", "full", 1.0, [1, 1, 1, 0], value=value,
+              answers=(value, value, value, " 1."))
+    write_run(tmp_path, "ruler:niah_single_2", "snapkv_head", 0.2, [0, 0, 1, 0], value=value,
+              answers=(" 26.", " 5551234.", value, " 9."))  # the last: the full cache failed it too
+    write_run(tmp_path, "ruler:niah_single_2", "snapkv_head_page", 0.2, [1, 0, 1, 1], value=value,
+              answers=(value, " none", value, value))
+    write_run(tmp_path, "ruler:fwe", "full", 1.0, [1.0], value=None)  # not a one-number answer: no table
+    write_run(tmp_path, "ruler:fwe", "snapkv_head", 0.2, [0.5])
+    text = script.failures_table(script.group(script.load([str(tmp_path)])))
+    assert "3 of 4" in text and "ruler:fwe" not in text
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+            for line in text.splitlines() if line.startswith("| `")}
+    assert rows["`snapkv_head` @ 0.2"] == ["2", "1", "1", "0", "0"]
+    assert rows["`snapkv_head_page` @ 0.2"] == ["1", "0", "0", "0", "1"]
