@@ -107,6 +107,10 @@ def _check_writable(folder: Path, named: Path, flag: str) -> None:
         raise EvalkitError(f"{flag} {named} is not writable: {error.strerror or error}") from None
 
 
+class FolderBusy(Exception):
+    """Another process holds a run folder's lock (`RunDir.locked(wait=False)`)."""
+
+
 class RunDir:
     def __init__(self, root: str | Path, run_id: str):
         self.path = Path(root) / run_id
@@ -120,10 +124,11 @@ class RunDir:
         return self.metrics_path.exists()
 
     @contextlib.contextmanager
-    def locked(self, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    def locked(self, waiting: Callable[[], None] | None = None, wait: bool = True) -> Iterator[None]:
         """Holds the folder's lock; a second process on the same folder waits here (`waiting` is called
-        first). The folder is created for the lock; if nothing was recorded in it by the time the lock is
-        released (input refused after all), it is removed again, with any parent folders made for it."""
+        first), or with `wait=False` gets FolderBusy at once. The folder is created for the lock; if nothing
+        was recorded in it by the time the lock is released (input refused after all), it is removed again,
+        with any parent folders made for it."""
         made = [p for p in (self.path, *self.path.parents) if not p.exists()]
         while True:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -131,6 +136,9 @@ class RunDir:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if not wait:
+                    os.close(fd)
+                    raise FolderBusy(self.path) from None
                 if waiting:
                     waiting()
                 fcntl.flock(fd, fcntl.LOCK_EX)

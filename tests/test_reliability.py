@@ -280,6 +280,37 @@ def test_concurrent_identical_runs_write_each_sample_once(tiny_model_dir, tmp_pa
     assert not run_dir.lock_path.exists()
 
 
+def test_runs_another_process_holds_come_after_the_rest(tiny_model_dir, tmp_path, capsys):
+    """Two sweeps sharing a run (a full cache, say): the second runs its other cells instead of idling."""
+    from evalkit.config import RunConfig
+    from evalkit.results import RunDir
+    from evalkit.runner import run_many
+
+    out = tmp_path / "runs"
+    held, free = (RunConfig(model=str(tiny_model_dir), task=f"jsonl:{tiny_model_dir / 'data.jsonl'}", length=length,
+                            policy="h2o_head", budget=0.5, out=str(out)).validate() for length in (300, 250))
+    held_dir, free_dir = RunDir(out, held.run_id()), RunDir(out, free.run_id())
+    free_done_first = []
+
+    def other_process():  # holds `held` until `free` is complete (or a minute has passed: then the test fails)
+        with held_dir.locked():
+            locked.set()
+            deadline = time.monotonic() + 60
+            while not free_dir.complete and time.monotonic() < deadline:
+                time.sleep(0.1)
+            free_done_first.append(free_dir.complete and not held_dir.predictions_path.exists())
+
+    locked = threading.Event()
+    holder = threading.Thread(target=other_process)
+    holder.start()
+    locked.wait()
+    results = run_many([held, free])  # `held` first: waiting on it would leave `free` undone
+    holder.join()
+    assert free_done_first == [True]
+    assert held_dir.complete and free_dir.complete and [r.run_id for r in results] == [held.run_id(), free.run_id()]
+    assert "another evalkit process holds the folder of one of 1 runs" in capsys.readouterr().err.replace("\n", " ")
+
+
 def test_resume_drops_repeated_lines_and_says_so(tiny_model_dir, tmp_path, monkeypatch, capsys):
     args = run_args(tiny_model_dir, tmp_path / "runs", "--wandb", "off")
     assert evalkit(monkeypatch, capsys, *args)[0] == 0
