@@ -36,8 +36,8 @@ Printed in order (`--summary-only`: the first two):
   cell, its failures on the samples the full cache answers, by what the answer's first number is — the
   value's first digits, another number of the value's length, another number, or none (`failures_table`).
 A cell of a shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`;
-the full cache's cell of the same sample shares the forward and compresses nothing, so the difference,
-averaged over samples, is the compression's time, less what copying the whole prompt's KV into the full cache's
+the full cache's cell of the same sample shares the forward and compresses nothing, so the difference's
+median over samples is the compression's time, less what copying the whole prompt's KV into the full cache's
 branch costs over copying what a cell keeps (negative at 8,192 tokens).
 
 `--plots DIR` writes, per task family and setting but task,
@@ -57,6 +57,7 @@ import argparse
 import functools
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -343,11 +344,12 @@ def compression_seconds(run: dict, full: dict | None) -> float | None:
     """Query-aware only: query-agnostic prefill also reads the question through each cell's own
     (smaller) cache, so the difference would mix that in. Only where the full cache shared the cell's
     prefill: the same sweep made both folders, within seconds, before its first sample; a full cache run by
-    another sweep (a baseline sweep before the grid) timed its own prompt forward."""
+    another sweep (a baseline sweep before the grid) timed its own prompt forward. The median over the
+    samples: a sweep paused mid-sample (SIGSTOP while the machine is needed) times the pause into one cell."""
     if full is None or not run["config"]["query_aware"] or not _made_together(run, full):
         return None
     shared = [run["prefill"][i] - full["prefill"][i] for i in run["prefill"] if i in full["prefill"]]
-    return sum(shared) / len(shared) if shared else None
+    return statistics.median(shared) if shared else None
 
 
 def _made_together(a: dict, b: dict) -> bool:

@@ -342,11 +342,15 @@ def test_a_run_just_begun_with_one_fractional_score_is_shown_without_an_interval
 
 
 def test_compression_time_is_shown_only_against_a_full_cache_that_shared_the_prefill(script, tmp_path):
-    """A cell's compression is its prefill minus the full cache's only where one sweep made both (their folders
-    within a minute): a full cache from a baseline sweep timed its own forward, so no difference is shown."""
+    """A cell's compression is its prefill minus the full cache's (the median over samples: a pause timed into
+    one sample does not move it) only where one sweep made both (their folders within a minute): a full cache
+    from a baseline sweep timed its own forward, so no difference is shown."""
     write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 4, prefill_seconds=3.0)
-    write_run(tmp_path, "ruler:niah_single_1", "h2o_head", 0.2, [1] * 4, prefill_seconds=3.5,
-              created="2026-12-03T00:00:02+0000")
+    paused = write_run(tmp_path, "ruler:niah_single_1", "h2o_head", 0.2, [1] * 4, prefill_seconds=3.5,
+                       created="2026-12-03T00:00:02+0000")
+    records = [json.loads(line) for line in (paused / "predictions.jsonl").read_text().splitlines()]
+    records[0]["prefill_seconds"] = 1000.0  # the sweep was stopped for a quarter of an hour in this sample
+    (paused / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     write_run(tmp_path, "ruler:fwe", "full", 1.0, [1] * 4, prefill_seconds=30.0)
     write_run(tmp_path, "ruler:fwe", "h2o_head", 0.2, [1] * 4, prefill_seconds=3.5,
               created="2026-12-03T01:00:00+0000")
