@@ -31,7 +31,7 @@ from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, 
                           score_rolling, share_prefill)
 from evalkit.models import load_model, max_positions
 from evalkit.prompt import encode, prompt_length
-from evalkit.results import FolderBusy, RunDir, check_writable_folder, complete_runs, package_versions
+from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
@@ -68,12 +68,12 @@ def run(config: RunConfig, console: Console | None = None, wandb_mode: str | Non
 
 
 def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mode: str | None = None,
-             mirror: Mirror | None = None) -> list[RunResult]:
+             mirror: Mirror | None = None, wait: bool = True) -> list[RunResult]:
     """Several runs; those that differ only in what happens after a full prefill (policy, budget,
     granularity, layout, ...) prefill each sample once and fork it (`shared_prefill.SharedPrefill`), the
-    rest run one after another. A group of runs another process is working on (two sweeps sharing a
-    full-cache run, say) is left for last rather than waited on while the others could run. Each run's
-    folder ends exactly as `run` alone would leave it."""
+    rest run one after another. Each run's folder ends exactly as `run` alone would leave it. A folder
+    another process holds is waited for, or with `wait=False` raises FolderBusy before its group runs
+    (the groups before it are done)."""
     console = console or Console(stderr=True)
     for config in configs:
         config.validate()
@@ -92,17 +92,8 @@ def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mod
         groups: dict[tuple, list[RunConfig]] = {}
         for run_id, config in todo.items():
             groups.setdefault(prefill_key(config) or (run_id,), []).append(config)
-        busy = []
         for group in groups.values():
-            done = _run_group(group, mode, mirror, console, wait=False)
-            if done is None:
-                say(f"note: another evalkit process holds the folder of one of {len(group)} runs sharing a "
-                    "prefill: they come last")
-                busy.append(group)
-            else:
-                results.update(zip([c.run_id() for c in group], done))
-        for group in busy:
-            results.update(zip([c.run_id() for c in group], _run_group(group, mode, mirror, console)))
+            results.update(zip([c.run_id() for c in group], _run_group(group, mode, mirror, console, wait)))
     # Baselines looked up last (a run's full-cache baseline may be one of the runs just made), reading
     # each results store once for all the runs: a sweep's group is dozens of runs.
     stores = {config.out: complete_runs(config.out) for config in configs}
@@ -146,19 +137,16 @@ class _RunInProgress:
 
 
 def _run_group(configs: list[RunConfig], mode: str, mirror: Mirror | None, console: Console,
-               wait: bool = True) -> list[RunResult] | None:
+               wait: bool) -> list[RunResult]:
     """Runs of the same samples under one model, each folder locked (one process per folder); with more
-    than one, the prefill of each batch is shared. With `wait=False`, None (nothing run) where another
-    process holds one of the folders."""
+    than one, the prefill of each batch is shared. With `wait=False`, FolderBusy (nothing run, the locks
+    taken so far released) where another process holds one of the folders."""
     say = one_line(console)
     run_dirs = [RunDir(c.out, c.run_id()) for c in configs]
     with contextlib.ExitStack() as locks:
-        try:
-            for run_dir in sorted(run_dirs, key=lambda d: str(d.path)):  # one order for every process: no deadlock
-                locks.enter_context(run_dir.locked(lambda path=run_dir.path: say(
-                    f"waiting for another evalkit process working on {path}"), wait=wait))
-        except FolderBusy:
-            return None  # the locks taken so far are released on the way out
+        for run_dir in sorted(run_dirs, key=lambda d: str(d.path)):  # one order for every process: no deadlock
+            locks.enter_context(run_dir.locked(lambda path=run_dir.path: say(
+                f"waiting for another evalkit process working on {path}"), wait=wait))
         pending = [(c, d) for c, d in zip(configs, run_dirs) if not d.complete]  # finished while we waited?
         resumed = dict(zip([c.run_id() for c, _ in pending], _run_locked(pending, mode, mirror, console))) \
             if pending else {}

@@ -32,8 +32,8 @@ Printed in order (`--summary-only`: the first two):
   fractions, as `evalkit.uncertainty.compare` chooses), Holm-adjusted over these ten within a scorer x
   budget, a comparison that cannot be made counting as p = 1;
 - the block-size slice, where the folders hold more than one block size;
-- with `--failures`, per setting whose answer is one number (the needles but multi-value and multi-query): per
-  cell, its failures on the samples the full cache answers, by what the answer's first number is — the
+- with `--failures` (also with `--summary-only`), per setting whose every reference is one string of digits:
+  per cell, its failures on the samples the full cache answers, by what the answer's first number is — the
   value's first digits, another number of the value's length, another number, or none (`failures_table`).
 A cell of a shared-prefill sweep records the shared forward plus its own compression as `prefill_seconds`;
 the full cache's cell of the same sample shares the forward and compresses nothing, so the difference's
@@ -435,9 +435,10 @@ FAILURE_KINDS = ("first digits", "value-length number", "other number", "no numb
 
 def failure_kind(prediction: str, value: str) -> str:
     """How an answer that misses the numeric needle `value` misses it, by the answer's first run of digits:
-    the value's first digits (`26.` for 2656973: the value began and was cut), another number of the value's
-    length (another needle's value, or one made up), another number (`1.`, `500.`), or no number at all."""
-    number = re.search(r"\d+", prediction)
+    the value's first digits (`26.` for 2656973: the value began and was cut; a single digit counts, one
+    chance in ten by coincidence), another number of the value's length (another needle's value, or one
+    made up), another number (`1.`, `500.`), or no number at all."""
+    number = re.search(r"[0-9]+", prediction)
     if number is None:
         return "no number"
     digits = number.group()
@@ -447,25 +448,25 @@ def failure_kind(prediction: str, value: str) -> str:
 
 
 def failures_table(groups: list[SettingRuns]) -> str:
-    """Per setting whose references are one number a sample (the needles but multi-value and multi-query), per
-    cell: the samples the full cache answers and the cell does not, counted by `failure_kind` — what eviction
-    took of the value."""
+    """Per setting whose every reference is one string of digits (the needles with a 7-digit value), per cell:
+    the samples the full cache answers that the cell finished, and those it fails, counted by `failure_kind` —
+    what eviction took of the value."""
     out = []
     for here in groups:
-        if here.full is None or not all(len(r["references"]) == 1 and r["references"][0].isdigit()
+        if here.full is None or not all(len(r["references"]) == 1 and re.fullmatch("[0-9]+", r["references"][0])
                                         for r in here.full["records"]):
             continue
         answered = {r["id"]: r["references"][0] for r in here.full["records"] if r["score"] == 1.0}
         out += [f"**{here.name}: what the failures kept** (samples the full cache answers, {len(answered)} of "
                 f"{len(here.full['records'])}, that the cell does not; by the answer's first number)", "",
-                "| policy @ budget | failures | " + " | ".join(FAILURE_KINDS) + " |",
-                "|---|" + "---:|" * (len(FAILURE_KINDS) + 1)]
+                "| policy @ budget | answered, finished here | failures | " + " | ".join(FAILURE_KINDS) + " |",
+                "|---|" + "---:|" * (len(FAILURE_KINDS) + 2)]
         for run in sorted(here.cells, key=lambda r: (r["scorer"], GRANULARITY_ORDER.index(r["granularity"]),
                                                      r["config"]["budget"])):
-            kinds = [failure_kind(r["prediction"], answered[r["id"]]) for r in run["records"]
-                     if r["id"] in answered and r["score"] < 1.0]
+            finished = [r for r in run["records"] if r["id"] in answered]
+            kinds = [failure_kind(r["prediction"], answered[r["id"]]) for r in finished if r["score"] < 1.0]
             label = policy_label(run["config"]["policy"], run["config"]["granularity"])
-            out.append(f"| `{label}` @ {run['config']['budget']} | {len(kinds)} | "
+            out.append(f"| `{label}` @ {run['config']['budget']} | {len(finished)} | {len(kinds)} | "
                        + " | ".join(str(kinds.count(kind)) for kind in FAILURE_KINDS) + " |")
         out.append("")
     return "\n".join(out)

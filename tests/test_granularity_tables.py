@@ -381,5 +381,5 @@ def test_failures_are_counted_on_the_samples_the_full_cache_answers(script, tmp_
     assert "3 of 4" in text and "ruler:fwe" not in text
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
             for line in text.splitlines() if line.startswith("| `")}
-    assert rows["`snapkv_head` @ 0.2"] == ["2", "1", "1", "0", "0"]
-    assert rows["`snapkv_head_page` @ 0.2"] == ["1", "0", "0", "0", "1"]
+    assert rows["`snapkv_head` @ 0.2"] == ["3", "2", "1", "1", "0", "0"]
+    assert rows["`snapkv_head_page` @ 0.2"] == ["3", "1", "0", "0", "0", "1"]

@@ -280,35 +280,34 @@ def test_concurrent_identical_runs_write_each_sample_once(tiny_model_dir, tmp_pa
     assert not run_dir.lock_path.exists()
 
 
-def test_runs_another_process_holds_come_after_the_rest(tiny_model_dir, tmp_path, capsys):
-    """Two sweeps sharing a run (a full cache, say): the second runs its other cells instead of idling."""
+def test_a_sweep_runs_the_cells_no_other_process_holds_first(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Two sweeps sharing a cell (the same full cache, say): the second runs its other cells instead of idling."""
     from evalkit.config import RunConfig
     from evalkit.results import RunDir
-    from evalkit.runner import run_many
 
-    out = tmp_path / "runs"
-    held, free = (RunConfig(model=str(tiny_model_dir), task=f"jsonl:{tiny_model_dir / 'data.jsonl'}", length=length,
-                            policy="h2o_head", budget=0.5, out=str(out)).validate() for length in (300, 250))
-    held_dir, free_dir = RunDir(out, held.run_id()), RunDir(out, free.run_id())
-    free_done_first = []
+    out, data = tmp_path / "runs", f"jsonl:{tiny_model_dir / 'data.jsonl'}"
+    held, free = (RunDir(out, RunConfig(model=str(tiny_model_dir), task=data, length=length, out=str(out))
+                         .full_cache().validate().run_id()) for length in (300, 250))
+    free_done_first, locked = [], threading.Event()
 
-    def other_process():  # holds `held` until `free` is complete (or a minute has passed: then the test fails)
-        with held_dir.locked():
+    def other_process():  # holds the first group's full cache until the second's is complete (at most a minute)
+        with held.locked():
             locked.set()
             deadline = time.monotonic() + 60
-            while not free_dir.complete and time.monotonic() < deadline:
+            while not free.complete and time.monotonic() < deadline:
                 time.sleep(0.1)
-            free_done_first.append(free_dir.complete and not held_dir.predictions_path.exists())
+            free_done_first.append(free.complete and not held.predictions_path.exists())
 
-    locked = threading.Event()
     holder = threading.Thread(target=other_process)
     holder.start()
-    locked.wait()
-    results = run_many([held, free])  # `held` first: waiting on it would leave `free` undone
+    assert locked.wait(60)
+    code, _, err = evalkit(monkeypatch, capsys, "sweep", "--model", str(tiny_model_dir), "--tasks", data,
+                           "--length", "300,250", "--policies", "h2o_head", "--budgets", "0.5", "--out", str(out),
+                           "--wandb", "off")
     holder.join()
-    assert free_done_first == [True]
-    assert held_dir.complete and free_dir.complete and [r.run_id for r in results] == [held.run_id(), free.run_id()]
-    assert "another evalkit process holds the folder of one of 1 runs" in capsys.readouterr().err.replace("\n", " ")
+    assert code == 0 and free_done_first == [True], err
+    assert held.complete and free.complete  # the held group ran once the other process let it go
+    assert err.count("another evalkit process holds a folder of") == 1, err
 
 
 def test_resume_drops_repeated_lines_and_says_so(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
 from evalkit.integrations import wandb as wandb_mirror
 from evalkit.report.leaderboard import quality_auc
-from evalkit.results import RunDir, check_writable_folder, write_json_atomic
+from evalkit.results import FolderBusy, RunDir, check_writable_folder, write_json_atomic
 from evalkit.runner import one_line, run, run_many
 from evalkit.sweep.plan import SweepCell, SweepPlan, cell_summary, prefill_groups, sweep_rows
 
@@ -75,19 +75,40 @@ def _wandb_group(group: str | None):
 
 
 def _run_local(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) -> None:
-    """Cells that share a prefill run together (`runner.run_many`: one prefill per sample for all)."""
+    """Cells that share a prefill run together (`runner.run_many`: one prefill per sample for all). A group
+    with a folder another process holds (two sweeps sharing a full-cache cell) is passed over until the
+    others are done; only when nothing else is left does the sweep wait for it."""
+    say = one_line(console)
     todo = {cell.run_id for cell in cells}
-    for group in prefill_groups(plan):
-        group = [cell for cell in group if cell.run_id in todo]
-        if not group:
-            continue
-        first = group[0]
-        label = first.label() if len(group) == 1 else \
-            f"{first.config.task} @ {first.config.length}: {len(group)} cells, one prefill per sample"
-        progress.update(bar, description=label)
-        run_many([cell.config for cell in group], console, wandb_mode=first.config.wandb, mirror=wandb_mirror)
-        progress.advance(bar, len(group))
+    pending = [group for group in ([c for c in group if c.run_id in todo] for group in prefill_groups(plan)) if group]
+    passed_over: set[str] = set()
+    while pending:
+        held = []
+        for group in pending:
+            try:
+                _run_cells(group, console, progress, bar, wait=len(pending) == 1)
+            except FolderBusy:
+                held.append(group)
+                if group[0].run_id not in passed_over:
+                    passed_over.add(group[0].run_id)
+                    say(f"note: another evalkit process holds a folder of {_label(group)}: after the rest")
+        if held and len(held) == len(pending):  # nothing else could run: wait for the first
+            _run_cells(held.pop(0), console, progress, bar, wait=True)
+        pending = held
     progress.update(bar, description="")
+
+
+def _run_cells(group: list[SweepCell], console, progress, bar, wait: bool) -> None:
+    progress.update(bar, description=_label(group))
+    run_many([cell.config for cell in group], console, wandb_mode=group[0].config.wandb, mirror=wandb_mirror,
+             wait=wait)
+    progress.advance(bar, len(group))
+
+
+def _label(group: list[SweepCell]) -> str:
+    first = group[0]
+    return first.label() if len(group) == 1 else \
+        f"{first.config.task} @ {first.config.length}: {len(group)} cells, one prefill per sample"
 
 
 def _run_on_ray(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) -> None:
