@@ -81,7 +81,7 @@ def _run_local(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) 
     say = one_line(console)
     todo = {cell.run_id for cell in cells}
     pending = [group for group in ([c for c in group if c.run_id in todo] for group in prefill_groups(plan)) if group]
-    passed_over: set[str] = set()
+    first_pass = True  # later passes retry only groups held in the first, already said
     while pending:
         held = []
         for group in pending:
@@ -89,12 +89,11 @@ def _run_local(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) 
                 _run_cells(group, console, progress, bar, wait=len(pending) == 1)
             except FolderBusy:
                 held.append(group)
-                if group[0].run_id not in passed_over:
-                    passed_over.add(group[0].run_id)
+                if first_pass:
                     say(f"note: another evalkit process holds a folder of {_label(group)}: after the rest")
         if held and len(held) == len(pending):  # nothing else could run: wait for the first
             _run_cells(held.pop(0), console, progress, bar, wait=True)
-        pending = held
+        pending, first_pass = held, False
     progress.update(bar, description="")
 
 
