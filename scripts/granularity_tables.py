@@ -47,8 +47,9 @@ budget, one line per granularity, pooled over the family's tasks (the mean over 
 pooled samples' 95 % interval (`score_interval`: Wilson for pass/fail scores), and the full cache dashed.
 Tasks whose full cache scores below FULL_CACHE_FLOOR are left out (the title names them), but where every
 task of the family is below it: then all of them are drawn and the title says ⚠ (what eviction keeps of
-what the model finds, not an eviction result); a point is drawn only where every task kept has the cell,
-so the lines always average the same tasks (`family_plots`).
+what the model finds, not an eviction result). A scorer's panel averages the tasks kept that ran it (the
+panel's title names them where they are not all of the plot's), and draws a point only where each of them
+has the cell, so its lines always average the same tasks; its full cache is theirs (`family_plots`).
 """
 
 from __future__ import annotations
@@ -500,21 +501,29 @@ def block_table(runs: list[dict]) -> str:
 
 
 @dataclass
+class Panel:
+    """One scorer's panel: the tasks kept that ran the scorer, pooled."""
+    tasks: list[str]
+    # granularity -> budget -> (pooled score, (error below, above)), in points
+    lines: dict[str, dict[float, tuple[float, tuple[float, float]]]]
+    full_score: float | None  # the pooled full cache, only where every one of `tasks` has it
+
+
+@dataclass
 class FamilyPlot:
     """What one family's plot draws (`family_plots`)."""
     title: str
     file_name: str
-    tasks: list[str]  # the tasks its lines average
+    tasks: list[str]  # the tasks kept: those the full cache can do (all of them where it can do none)
     left_out: list[str]  # the family's tasks whose full cache scores below FULL_CACHE_FLOOR
     below_floor: bool  # every task of the family is, and `tasks` are all of them
-    # scorer -> granularity -> budget -> (pooled score, (error below, above)), in points
-    lines: dict[str, dict[str, dict[float, tuple[float, tuple[float, float]]]]]
-    full_score: float | None  # the pooled full cache, only where it covers every task the lines average
+    panels: dict[str, Panel]  # by scorer
 
 
 def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
-    """Per task family and setting but task: the family's tasks the full cache can do, pooled. A point is
-    kept only where every such task has the cell, so a line always averages the same tasks."""
+    """Per task family and setting but task: the family's tasks the full cache can do, pooled per scorer over
+    those that ran it. A point is kept only where each of a panel's tasks has the cell, so a line always
+    averages the same tasks."""
     by_plot: dict[tuple, list[SettingRuns]] = {}
     for here in groups:
         s = here.setting
@@ -527,20 +536,22 @@ def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
         kept = [m for m in members if not m.cannot_do_task]
         below_floor = not kept
         kept = kept or members
-        budgets = sorted({b for m in kept for b in m.budgets})
-        lines = {}
+        panels = {}
         for scorer in sorted({scorer for m in kept for scorer in m.scorers}):
-            lines[scorer] = {}
+            ran = [m for m in kept if scorer in m.scorers]
+            budgets = sorted({b for m in ran for b in m.budgets})
+            lines = {}
             for granularity in GRANULARITY_ORDER:
-                cells = {b: [m.cell(scorer, granularity, b) for m in kept] for b in budgets}
-                lines[scorer][granularity] = {b: _pooled(found) for b, found in cells.items() if all(found)}
-        full_score = _pooled([m.full for m in kept])[0] if kept and all(m.full for m in kept) else None
+                cells = {b: [m.cell(scorer, granularity, b) for m in ran] for b in budgets}
+                lines[granularity] = {b: _pooled(found) for b, found in cells.items() if all(found)}
+            full_score = _pooled([m.full for m in ran])[0] if all(m.full for m in ran) else None
+            panels[scorer] = Panel([m.setting.task for m in ran], lines, full_score)
         name = "-".join([_slug(family), first.setting.model, str(first.setting.length), first.setting.mode,
                          *([_slug(first.differs)] if first.differs else [])])
         plots.append(FamilyPlot(f"{family}: {first.setting.model}, {first.setting.length:,} tokens, {first.mode}",
                                 f"granularity-{name}.png", [m.setting.task for m in kept],
                                 [m.setting.task for m in members if m.cannot_do_task and not below_floor],
-                                below_floor, lines, full_score))
+                                below_floor, panels))
     return plots
 
 
@@ -555,7 +566,7 @@ def plot_families(groups: list[SettingRuns], folder: Path) -> list[Path]:
 
 
 def _draw(plot: FamilyPlot, path: Path) -> None:
-    scorers = list(plot.lines)
+    scorers = list(plot.panels)
     # No pyplot: no global figure state; constrained layout keeps the two-line title off the panels.
     figure = Figure(figsize=(4 * max(1, len(scorers)), 3.8), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
@@ -569,19 +580,23 @@ def _draw(plot: FamilyPlot, path: Path) -> None:
     figure.suptitle(f"{plot.title}\nmean over {tasks}{note}", fontsize=9)
     for index, scorer in enumerate(scorers or [None]):
         axes = figure.add_subplot(1, max(1, len(scorers)), index + 1)
-        axes.set_title(scorer if scorer else "no cell", fontsize=9)
+        panel = plot.panels.get(scorer)
+        title = scorer or "no cell"
+        if panel and panel.tasks != plot.tasks:
+            title += " (" + ", ".join(task.removeprefix("ruler:") for task in panel.tasks) + ")"
+        axes.set_title(title, fontsize=9)
         axes.set_ylim(-3, 103)
         axes.grid(alpha=0.3)
         axes.set_xlabel("budget (fraction of the prompt kept)")
         if index == 0:
             axes.set_ylabel("score (%)")
-        for granularity, points in plot.lines.get(scorer, {}).items():
+        for granularity, points in (panel.lines if panel else {}).items():
             if points:
                 axes.errorbar(list(points), [score for score, _ in points.values()],
                               yerr=list(zip(*(bar for _, bar in points.values()))), marker="o", capsize=3,
                               label=granularity)
-        if plot.full_score is not None:
-            axes.axhline(plot.full_score, color="gray", linestyle="--", label="full cache")
+        if panel and panel.full_score is not None:
+            axes.axhline(panel.full_score, color="gray", linestyle="--", label="full cache")
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize=7)
     figure.savefig(path, bbox_inches="tight")

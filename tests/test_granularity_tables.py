@@ -297,9 +297,9 @@ def test_a_task_the_full_cache_cannot_do_is_left_out_of_its_familys_lines(script
     assert plot.tasks == ["ruler:niah_single_1", "ruler:niah_single_2"]
     assert plot.left_out == ["ruler:niah_single_3"]
     # 0.1 averages single_1 (50) and single_2 (100); 0.5, which single_2 lacks, is not drawn
-    assert {g: {b: score for b, (score, _) in points.items()} for g, points in plot.lines["snapkv"].items()} == \
+    assert {g: {b: score for b, (score, _) in points.items()} for g, points in plot.panels["snapkv"].lines.items()} == \
         {g: {0.1: 75.0} for g in GRANULARITIES}
-    assert plot.full_score == 100.0
+    assert plot.panels["snapkv"].full_score == 100.0
 
 
 def test_a_family_whose_every_task_is_below_the_floor_is_drawn_whole_and_marked(script, tmp_path):
@@ -310,9 +310,30 @@ def test_a_family_whose_every_task_is_below_the_floor_is_drawn_whole_and_marked(
 
     assert plot.below_floor and plot.left_out == []
     assert sorted(plot.tasks) == ["ruler:niah_multiquery", "ruler:niah_multivalue"]
-    assert {b: score for b, (score, _) in plot.lines["snapkv"]["head_page"].items()} == \
+    assert {b: score for b, (score, _) in plot.panels["snapkv"].lines["head_page"].items()} == \
         pytest.approx({0.2: 15.0, 0.5: 15.0})  # the mean over both tasks' samples
-    assert plot.full_score == pytest.approx(35.0)
+    assert plot.panels["snapkv"].full_score == pytest.approx(35.0)
+    (path,) = script.plot_families(script.group(script.load([str(tmp_path)])), tmp_path / "plots")
+    assert path.stat().st_size > 0
+
+
+def test_a_scorers_panel_averages_only_the_tasks_that_ran_it(script, tmp_path):
+    """One task of the family ran a second scorer: that scorer's panel averages it alone (its full cache too)
+    and names it, rather than drawing nothing for want of the other task's cells."""
+    write_setting(tmp_path, "ruler:fwe", [0.4] * 10, same_everywhere([0.3] * 10), budgets=(0.2,))
+    for granularity in GRANULARITIES:
+        write_run(tmp_path, "ruler:fwe", f"tova_{granularity}", 0.2, [0.1] * 10)
+    write_setting(tmp_path, "ruler:cwe", [0.2] * 10, same_everywhere([0.1] * 10), budgets=(0.2,))
+    (plot,) = script.family_plots(script.group(script.load([str(tmp_path)])))
+
+    assert sorted(plot.panels) == ["snapkv", "tova"]
+    assert sorted(plot.panels["snapkv"].tasks) == ["ruler:cwe", "ruler:fwe"]
+    assert plot.panels["snapkv"].lines["head"][0.2][0] == pytest.approx(20.0)
+    assert plot.panels["snapkv"].full_score == pytest.approx(30.0)
+    assert plot.panels["tova"].tasks == ["ruler:fwe"]
+    assert {g: points[0.2][0] for g, points in plot.panels["tova"].lines.items()} == \
+        pytest.approx({g: 10.0 for g in GRANULARITIES})
+    assert plot.panels["tova"].full_score == pytest.approx(40.0)
     (path,) = script.plot_families(script.group(script.load([str(tmp_path)])), tmp_path / "plots")
     assert path.stat().st_size > 0
 
