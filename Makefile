@@ -43,14 +43,21 @@ bench: setup
 
 # The study's sweeps (docs/granularity.md keeps the plan), unfinished grids first, then those whose folders a
 # replaced machine took; each resumes where it stopped. `make -j2 study`: two at a time, one torch thread each
-# (on the busy 2-core machine one thread a process was 2.9x faster than two, docs/sweeps.md).
-STUDY := lengths_query_agnostic scorers_4k ruler_4k_baseline ruler_4k ruler_4k_unsolved lengths_query_aware \
-         gemma3_4k_baseline gemma3_4k gemma3_4k_unsolved
+# (on the busy 2-core machine one thread a process was 2.9x faster than two, docs/sweeps.md). study-X runs
+# configs/study/X.yaml (the sequel's grids), granularity-X configs/granularity/X.yaml (the 2,048-token ones).
+STUDY := study-gemma3_4k study-lengths_query_aware granularity-query_aware granularity-query_agnostic \
+         study-lengths_query_agnostic study-scorers_4k study-ruler_4k_baseline study-ruler_4k study-ruler_4k_unsolved \
+         study-gemma3_4k_baseline study-gemma3_4k_unsolved
 
-study: $(addprefix study-,$(STUDY))
+study: $(STUDY)
+
+SWEEP := OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/evalkit sweep --wandb off --config
 
 study-%: setup
-	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/evalkit sweep --config configs/study/$*.yaml --wandb off
+	$(SWEEP) configs/study/$*.yaml
+
+granularity-%: setup
+	$(SWEEP) configs/granularity/$*.yaml
 
 # The study's leaderboard (docs/leaderboard/: index.html, PNGs, leaderboard.csv) from its results folders, read
 # only; a run still being written is listed as left out, and the next `make leaderboard` adds it.
