@@ -47,7 +47,8 @@ bench: setup
 # configs/study/X.yaml (the sequel's grids), granularity-X configs/granularity/X.yaml (the 2,048-token ones).
 STUDY := study-lengths_query_aware granularity-query_aware granularity-query_agnostic \
          study-lengths_query_agnostic study-scorers_4k study-ruler_4k_baseline study-ruler_4k study-ruler_4k_unsolved \
-         study-gemma3_4k_baseline study-gemma3_4k study-gemma3_4k_unsolved
+         study-gemma3_4k_baseline study-gemma3_4k study-gemma3_4k_unsolved \
+         study-gemma3_8k_baseline
 
 study: $(STUDY)
 

@@ -148,6 +148,9 @@ _MODEL_TESTS = {
         "test_an_earlier_folder_resumes_where_it_stopped": ALL_CASES,  # save_tiny_model in its body
         "test_generation_settings_come_from_the_config_by_name": ALL_CASES,
     },
+    "test_configs": {  # the committed configs' sweeps resolve their models (Gemma 3 270M's too) to plan
+        "test_every_committed_config_plans_its_grid": ALL_CASES,
+    },
     "test_custom_tasks": {  # a data task's RunConfig checks its records against the model's window
         "test_end_to_end_on_a_jsonl_file_with_sub_tasks": ALL_CASES,
         "test_a_sample_over_the_length_is_refused_after_tokenising": ALL_CASES,

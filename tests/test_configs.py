@@ -1,0 +1,40 @@
+"""The committed sweep configs (configs/): each plans its grid, and `make study` runs every grid of the study."""
+import re
+from pathlib import Path
+
+import pytest
+
+from test_cli import evalkit
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: str(path.relative_to(ROOT / "configs")))
+def test_every_committed_config_plans_its_grid(monkeypatch, capsys, tmp_path, config):
+    """A typo in a committed config (a task, a policy, a field, a length over the model's window) fails here,
+    not when its sweep reaches the cell hours in."""
+    out = tmp_path / "runs"
+    code, stdout, err = evalkit(monkeypatch, capsys, "sweep", "--config", str(config), "--out", str(out),
+                                "--dry-run", "--wandb", "off")
+    assert code == 0, err
+    cells = int(re.search(r"sweep-[0-9a-f]{8}: (\d+) cells", stdout).group(1))
+    run_ids = re.findall(r"[a-z0-9_]+-[a-z0-9_]+-[0-9.]+-[0-9a-f]{8}", stdout)
+    assert cells > 0 and len(run_ids) == len(set(run_ids)) == cells
+    assert not out.exists()  # a dry run writes nothing
+
+
+def _make_study_targets() -> list[str]:
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    return re.search(r"^STUDY := (.*)$", makefile, re.M).group(1).split()
+
+
+def test_make_study_runs_every_grid_of_the_study():
+    """A grid added to configs/study/ is one `make -j2 study` runs, and every target there names a config."""
+    targets = _make_study_targets()
+    assert len(targets) == len(set(targets))
+    study = {f"study-{path.stem}" for path in (ROOT / "configs" / "study").glob("*.yaml")}
+    assert study <= set(targets), sorted(study - set(targets))
+    for target in targets:
+        folder, name = target.split("-", 1)
+        assert (ROOT / "configs" / folder / f"{name}.yaml").is_file(), target
