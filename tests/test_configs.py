@@ -3,6 +3,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from test_cli import evalkit
 
@@ -19,9 +20,18 @@ def test_every_committed_config_plans_its_grid(monkeypatch, capsys, tmp_path, co
                                 "--dry-run", "--wandb", "off")
     assert code == 0, err
     cells = int(re.search(r"sweep-[0-9a-f]{8}: (\d+) cells", stdout).group(1))
-    run_ids = re.findall(r"[a-z0-9_]+-[a-z0-9_]+-[0-9.]+-[0-9a-f]{8}", stdout)
-    assert cells > 0 and len(run_ids) == len(set(run_ids)) == cells
+    assert cells == _cells_in(yaml.safe_load(config.read_text()))  # no list collapsed into fewer cells
     assert not out.exists()  # a dry run writes nothing
+
+
+def _cells_in(settings: dict) -> int:
+    """Each task × length: every policy at every budget, and the full cache once (its baseline)."""
+    def values(key):
+        value = settings[key]
+        return value if isinstance(value, list) else [part for part in str(value).split(",") if part.strip()]
+
+    evicting = [policy for policy in values("policies") if policy != "full"]
+    return len(values("tasks")) * len(values("length")) * (len(evicting) * len(values("budgets")) + 1)
 
 
 def _make_study_targets() -> list[str]:
