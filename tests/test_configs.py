@@ -3,8 +3,8 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
+from evalkit.sweep.plan import read_config_file
 from test_cli import evalkit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ def test_every_committed_config_plans_its_grid(monkeypatch, capsys, tmp_path, co
                                 "--dry-run", "--wandb", "off")
     assert code == 0, err
     cells = int(re.search(r"sweep-[0-9a-f]{8}: (\d+) cells", stdout).group(1))
-    assert cells == _cells_in(yaml.safe_load(config.read_text()))  # no list collapsed into fewer cells
+    assert cells == _cells_in(read_config_file(config))  # no list collapsed into fewer cells
     assert not out.exists()  # a dry run writes nothing
 
 
@@ -34,14 +34,10 @@ def _cells_in(settings: dict) -> int:
     return len(values("tasks")) * len(values("length")) * (len(evicting) * len(values("budgets")) + 1)
 
 
-def _make_study_targets() -> list[str]:
-    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
-    return re.search(r"^STUDY := (.*)$", makefile, re.M).group(1).split()
-
-
 def test_make_study_runs_every_grid_of_the_study():
     """A grid added to configs/study/ is one `make -j2 study` runs, and every target there names a config."""
-    targets = _make_study_targets()
+    makefile = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    targets = re.search(r"^STUDY := (.*)$", makefile, re.M).group(1).split()
     assert len(targets) == len(set(targets))
     study = {f"study-{path.stem}" for path in (ROOT / "configs" / "study").glob("*.yaml")}
     assert study <= set(targets), sorted(study - set(targets))
