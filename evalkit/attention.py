@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from evalkit.attention_ops import attention_reference, decode_attention, prompt_attention, statistic_queries, visible
 from evalkit.cache import KVCache
 from evalkit.kernels import use_triton
+from evalkit.reconstruction_ops import reconstruction_attention
 from evalkit.policies.query_moments import QueryMoments
 
 ATTENTION_NAME = "evalkit"
@@ -44,8 +45,16 @@ class ForwardPlan:
     record: "PromptRecord | None" = None  # a shared prefill: keep each layer's K/V and statistics, no storage
     # Query moments to add this forward's queries to, with the RoPE (cos, sin) [B, T, D] of its positions.
     moments: "tuple[list[QueryMoments], torch.Tensor, torch.Tensor] | None" = None
-    captured: dict | None = None  # layer -> (queries, scaling): a reconstruction forward's queries (KVzip)
+    reconstruction: "ReconstructionChunk | None" = None  # a reconstruction forward (KVzip): score, store nothing
     decode_slots: list | None = None  # a static decode step (`loop.static_decode`): each layer's `DecodeSlots`
+
+
+@dataclass
+class ReconstructionChunk:
+    """What a reconstruction forward (`loop.reconstruction`) scores: each sequence's chunk of held positions."""
+
+    spans: torch.Tensor  # [B, 2] the chunk's first and end positions ((0, 0): none)
+    sinks: int  # the first positions, in every reconstruction query's softmax
 
 
 @dataclass
@@ -80,8 +89,6 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(plan, JointForwardPlan):
         return _joint_attention(module, query, key, value, plan, scaling, sliding_window), None
-    if plan.captured is not None:
-        plan.captured[module.layer_idx] = (query, scaling)
     if plan.moments is not None:
         moments, cos, sin = plan.moments
         for each in moments:
@@ -89,6 +96,8 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan.record is not None:
         return _recorded_prompt_attention(module.layer_idx, query, key, value, plan, scaling, sliding_window), None
     layer = plan.cache.layers[module.layer_idx]
+    if plan.reconstruction is not None:
+        return _reconstruction_attention(layer, query, key, value, plan, scaling, sliding_window), None
     if plan.decode_slots is not None:
         return _static_decode_attention(layer, plan.decode_slots[module.layer_idx], query, key, value, plan, scaling,
                                         sliding_window), None
@@ -132,6 +141,17 @@ def _prompt_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
     slots = layer.append(key, value, plan.positions, plan.valid)
     if plan.collect is not None:
         store_statistic(layer, slots, plan.collect, stats[0], plan.valid)
+    return out
+
+
+def _reconstruction_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
+    """KVzip's reconstruction tokens attend over the held slots and each other, never stored; the chunk's slots
+    get their reconstruction scores (`reconstruction_ops.reconstruction_attention`)."""
+    view = layer.read(trim=True)
+    out, stats = reconstruction_attention(query, plan.positions, plan.valid, key, value, view.k, view.v, view.pos,
+                                          view.stats, plan.reconstruction.spans, scaling=scaling,
+                                          sinks=plan.reconstruction.sinks, sliding_window=sliding_window)
+    layer.set_stats(view.index, stats, rows=plan.valid.any(1))
     return out
 
 

@@ -103,9 +103,8 @@ def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mod
 
 def prefill_key(config: RunConfig) -> tuple | None:
     """What a run's prefill depends on, or None when it cannot be shared (chunked prefill streams
-    through the policy's cache; perplexity is scored in chunks; KVzip's reconstruction forward runs on
-    its own prefill's cache)."""
-    if config.prefill != "full" or config.task == Perplexity.name or config.make_policy().reconstructs:
+    through the policy's cache; perplexity is scored in chunks)."""
+    if config.prefill != "full" or config.task == Perplexity.name:
         return None
     after_prefill = fields_where(after_prefill=True)
     return tuple(sorted((k, repr(v)) for k, v in config.to_dict().items() if k not in after_prefill))
@@ -269,7 +268,7 @@ def _generation_evaluation(task: Task, config: RunConfig, model, tokenizer) -> _
 
     def share(batch, each: list[GenerationSettings]) -> SharedPrefill:
         statistics = set().union(*(prefill_statistics(s.policy) for s in each))
-        return share_prefill(model, requests(batch), each[0].query_aware, statistics)
+        return share_prefill(model, requests(batch), each[0].query_aware, statistics, tokenizer)
 
     def evaluate(batch, each: list[GenerationSettings], shared: SharedPrefill | None) -> list[list[dict]]:
         if shared is None:

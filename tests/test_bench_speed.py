@@ -34,7 +34,8 @@ def test_every_measurement_has_its_rows_and_positive_ratios(speed_run, tiny_mode
     by_measure = {}
     for row in rows:
         by_measure.setdefault(row["measure"], []).append(row)
-    assert sorted(by_measure) == ["loop", "overhead", "statistics", "sweep", "sweep memory"]
+    assert sorted(by_measure) == ["kvzip", "loop", "overhead", "statistics", "sweep", "sweep memory"]
+    assert [r["length"] for r in by_measure["kvzip"]] == [LENGTH]
     assert [r["length"] for r in by_measure["loop"]] == [LENGTH]
     (loop,) = by_measure["loop"]
     for side in ("hf", "evalkit"):  # the whole generation splits into its prefill (1 new token) and the rest

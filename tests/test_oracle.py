@@ -42,8 +42,8 @@ from conftest import SHORT_PROMPT_ARGS, TINY, tiny_config
 from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_budgets, run_oracle
 from test_policies import every_name, published_granularity
 
+import evalkit.attention
 import evalkit.attention_ops
-import evalkit.loop.reconstruction
 import evalkit.policies.adakv
 import evalkit.policies.critical
 import evalkit.policies.duo_attention
@@ -675,9 +675,9 @@ def test_mutation_adakv_safeguard_of_the_whole_budget_is_caught(monkeypatch):
 
 def test_mutation_kvzip_reconstruction_without_the_sinks_is_caught(monkeypatch):
     """KVzip's reconstruction softmax leaving out the sinks before a later chunk must disagree."""
-    scores = evalkit.loop.reconstruction.reconstruction_scores
-    monkeypatch.setattr(evalkit.loop.reconstruction, "reconstruction_scores",
-                        lambda *args: scores(*args[:7], 0, *args[8:]))
+    scores = evalkit.attention.reconstruction_attention
+    monkeypatch.setattr(evalkit.attention, "reconstruction_attention",
+                        lambda *args, **kwargs: scores(*args, **{**kwargs, "sinks": 0}))
     _caught(monkeypatch, [("kvzip_head", g, {"chunk_size": "24"}, budget, env) for env in MUTATION_ENVS
                           for g in ("head", "token") for budget in (0.3, 0.6)])
 

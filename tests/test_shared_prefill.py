@@ -26,14 +26,15 @@ from evalkit.loop.shared_prefill import prefill_statistics, share_prefill
 
 POLICIES = ["h2o_head", "snapkv_head", "tova_token", "knorm_head_page", "streaming_llm", "h2o_page",
             "pyramidkv_head", "adakv_snapkv", "quest", "random",
-            "expected_attention_head", "adakv_expected_attention", "critical_snapkv_head", "keydiff_page", "lagkv_token"]
+            "expected_attention_head", "adakv_expected_attention", "critical_snapkv_head", "keydiff_page", "lagkv_token",
+            "kvzip_head", "kvzip_page"]
 BUDGETS = [0.25, 0.5, 1.0]
 
 
 def runnable_on(arch: str) -> list[str]:
     """POLICIES but, on Gemma 3 (RoPE per layer type, refused by `RunConfig`), those that apply the model's RoPE."""
     return [name for name in POLICIES if arch != "gemma3" or "expected_attention" not in name]
-TIMINGS = ("prefill_seconds", "decode_seconds")
+TIMINGS = ("prefill_seconds", "decode_seconds", "reconstruction_seconds")
 
 
 def naive_statistic(q, k, q_pos, q_valid, counted, scaling):
@@ -214,6 +215,32 @@ def test_run_many_writes_what_one_run_per_cell_writes(tiny_model_dir, tmp_path, 
         assert a.run_id == b.run_id
         assert lines(a.path) == lines(b.path), a.run_id
         assert a.metrics["score"] == b.metrics["score"] and a.metrics["kept_tokens"] == b.metrics["kept_tokens"]
+
+
+def test_kvzip_cells_of_a_sweep_share_one_reconstruction_and_write_what_their_own_runs_write(tiny_model_dir, tmp_path,
+                                                                                             monkeypatch):
+    """Every KVzip cell of a sample (each budget and granularity) reads the scores of one reconstruction, run in
+    the shared prefill with the tokenizer's reconstruction prompts; each cell's lines equal its own run's."""
+    from evalkit.config import RunConfig
+    from evalkit.loop import shared_prefill
+    from evalkit.runner import run, run_many
+
+    reconstructions = []
+    original = shared_prefill.reconstruct
+    monkeypatch.setattr(shared_prefill, "reconstruct", lambda *args: reconstructions.append(1) or original(*args))
+
+    def cells(out):
+        return [RunConfig(policy=policy, budget=budget, task="ruler:niah_single_2", length=320, samples=3,
+                          model=str(tiny_model_dir), out=str(out), wandb="off", query_aware=False, block_size=4,
+                          batch_size=2)
+                for policy in ("kvzip_head", "kvzip_page", "kvzip_head_page") for budget in (0.3, 0.6)]
+
+    together = run_many(cells(tmp_path / "shared"))
+    assert len(reconstructions) == 2  # 3 samples in batches of 2: one reconstruction a batch for all 6 cells
+    alone = [run(config) for config in cells(tmp_path / "alone")]
+    for a, b in zip(alone, together):
+        assert lines(a.path) == lines(b.path), a.run_id
+        assert b.metrics["reconstruction_seconds"] > 0
 
 
 def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """`evalkit bench --speed`: the main job's speed, as ratios against baselines timed in the same run.
 
-Four measurements (docs/benchmarks.md, "The main job's speed"), each interleaved with its baseline
+Five measurements (docs/benchmarks.md, "The main job's speed"), each interleaved with its baseline
 (baseline, subject, baseline, ...; medians of `repeats` after a warm-up):
 - loop: evalkit `full` against HF `generate` (sdpa) on the model (default: the embedded default), same prompt, 16 new tokens
   (EOS off), seconds per prompt at each length; and each with 1 new token (its prefill), for the split;
@@ -11,6 +11,8 @@ Four measurements (docs/benchmarks.md, "The main job's speed"), each interleaved
 - statistics: the model's prompt forward with H2O's column sums, SnapKV's window and both,
   against the plain forward (`shared_prefill.share_prefill`, nothing else), at each length; and the
   floor of any exact second pass: the plain forward plus the causal scores' matmul alone;
+- kvzip: KVzip's compression (the prompt forward and its context reconstruction, `share_prefill` with the
+  reconstruction scores) against the plain prompt forward, at each length: kvpress states 2-3x the prefill;
 - sweep: 8 policies x 3 budgets (+ the full cache) on `samples` samples of the default task at the
   shortest length, all
   cells through one shared prefill per sample (`runner.run_many`) against the same cells one `run`
@@ -43,12 +45,13 @@ from evalkit.bench.generations import bench_prompts, eos_disabled
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate, share_prefill
+from evalkit.loop.shared_prefill import reconstruction_key
 from evalkit.models import load_model, model_config
 from evalkit.policies import make_policy
 from evalkit.results import check_writable_folder, package_versions, write_json_atomic
 from evalkit.runner import run, run_many
 
-MEASURES = ("loop", "overhead", "statistics", "sweep")
+MEASURES = ("loop", "overhead", "statistics", "kvzip", "sweep")
 
 SWEEP_POLICIES = ["h2o_head", "h2o_page", "snapkv_head", "tova_token", "knorm_head", "streaming_llm",
                   "pyramidkv_head", "h2o_head_page"]
@@ -160,6 +163,20 @@ def measure_statistics(model_name: str, lengths: list[int], repeats: int) -> lis
     return rows
 
 
+def measure_kvzip(model_name: str, lengths: list[int], repeats: int) -> list[dict]:
+    model, tokenizer = load_model(model_name)
+    reconstruction = {reconstruction_key(make_policy("kvzip"))}
+    rows = []
+    for length in lengths:
+        request = [Request(bench_prompts(tokenizer, length, 1)[0].ids, [], 1)]
+        t = interleaved({"plain": lambda: share_prefill(model, request, True, set(), tokenizer),
+                         "kvzip": lambda: share_prefill(model, request, True, reconstruction, tokenizer)}, repeats)
+        rows.append({"measure": "kvzip", "length": length, "plain_seconds": t["plain"], "seconds": t["kvzip"],
+                     "ratio": t["kvzip"] / t["plain"],
+                     "target": "<= 3.0 (prompt forward + reconstruction over the forward; kvpress: 2-3x)"})
+    return rows
+
+
 def causal_scores_alone(config, length: int):
     """The least an exact pass after the attention must do for H2O's column sums: every layer's
     causal (query, key) scores, in `causal_statistics`' tiles and shapes, and nothing else."""
@@ -227,6 +244,7 @@ def measure(only: list[str], model: str, lengths: list[int], repeats: int, sampl
     shortest of `lengths`."""
     measures = {"loop": lambda: measure_loop(model, lengths, repeats), "overhead": lambda: measure_overhead(repeats),
                 "statistics": lambda: measure_statistics(model, lengths, repeats),
+                "kvzip": lambda: measure_kvzip(model, lengths, repeats),
                 "sweep": lambda: measure_sweep(model, min(lengths), samples)}
     rows = []
     for name in only:
@@ -249,6 +267,7 @@ def _shown(row: dict, key: str) -> str:
 _BASELINE = {"loop": ("HF generate", "hf_seconds", "evalkit_seconds"),
              "overhead": ("HF decode step", "hf_step_ms", "evalkit_step_ms"),
              "statistics": ("plain prompt forward", "plain_seconds", "seconds"),
+             "kvzip": ("plain prompt forward", "plain_seconds", "seconds"),
              "sweep": ("one run per cell", "one_at_a_time_seconds", "shared_seconds"),
              "sweep memory": ("one full-cache run", "full_run_peak_rss", "sweep_peak_rss")}
 

@@ -13,7 +13,7 @@ import torch
 
 from evalkit.attention import evalkit_attention
 from evalkit.loop.compression import Budgets, budgets_for, compress, slide
-from evalkit.loop.reconstruction import longest_reconstruction, reconstruct, reconstruction_prompts
+from evalkit.loop.reconstruction import reconstruct, reconstruction_prompts
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.static_decode import StaticStep, static_step
 from evalkit.loop.state import (NO_LIMIT, Generation, GenerationSettings, LoopState, Observer, Request, forward,
@@ -160,8 +160,8 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     """Prefill (compressing as the policy says) and get ready to decode; call inside `evalkit_attention`."""
     policy = settings.policy
     compressed, appended = split_prompts(requests, settings.query_aware)
-    if shared is not None and (settings.prefill != "full" or shared.compressed != compressed or policy.reconstructs):
-        raise ValueError("a shared prefill serves full-prefill runs of the same prompts only, reconstructing nothing")
+    if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
+        raise ValueError("a shared prefill serves full-prefill runs of the same prompts only")
     policy.prepare(model, tokenizer)
     budgets = budgets_for(model, settings, compressed)
     extra = torch.tensor([len(t) for t in appended])
@@ -170,8 +170,6 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     begun = time.perf_counter()
     prompts = reconstruction_prompts(tokenizer) if policy.reconstructs and budgets.any_evicting else None
     room = extra + max_new  # [B] tokens the cache takes after the prefill
-    if prompts is not None:  # and the reconstruction's, for a moment
-        room = room.clamp(min=longest_reconstruction(prompts, compressed, policy.chunk_size))
     decode_evicts = budgets.any_evicting and settings.decode_eviction
     decode_collect = policy.collect_decode if decode_evicts else None
     forks_compressed = shared is not None and not any(appended) and observe is None

@@ -1,7 +1,8 @@
 """KVzip's context reconstruction (`Policy.reconstructs`): after the prompt's prefill the model repeats its
 context, chunk by chunk, on top of the cache; each chunk token's score is the most attention a
-reconstruction query gives it (`policies.kvzip.reconstruction_scores`). The reconstruction tokens are
-dropped again: the cache holds the prompt alone, every token scored.
+reconstruction query gives it (`reconstruction_ops.reconstruction_attention`, in the same pass as the
+forward's attention). The reconstruction tokens are never stored: the cache holds the prompt alone, every
+token scored.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import time
 
 import torch
 
-from evalkit.loop.state import LoopState, ReconstructionPrompts, forward, left_padded
-from evalkit.policies.kvzip import reconstruction_scores
+from evalkit.attention import ForwardPlan, ReconstructionChunk
+from evalkit.loop.state import LoopState, ReconstructionPrompts, left_padded
 
 FIRST = "\n\nRepeat the previous context exactly."
 LATER = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -57,33 +58,17 @@ def reconstruction_tokens(prompts: ReconstructionPrompts, compressed: list[list[
         yield tokens, torch.tensor(spans)
 
 
-def longest_reconstruction(prompts: ReconstructionPrompts, compressed: list[list[int]], chunk_size: int) -> int:
-    """Most tokens a reconstruction forward adds to the cache (what it must have room for)."""
-    return max(max(len(t) for t in tokens) for tokens, _ in reconstruction_tokens(prompts, compressed, chunk_size))
-
-
 def reconstruct(state: LoopState, compressed: list[list[int]], begin: int = 0, end: int | None = None) -> None:
     """Score the prompt tokens at positions [begin, end) in `state`'s cache by context reconstruction (a chunked
-    prefill reconstructs each prefill chunk once it is fed); the cache ends as it began."""
+    prefill reconstructs each prefill chunk once it is fed). Only statistics change: the reconstruction tokens
+    are never stored, and the cache has seen what it had."""
     begun = time.perf_counter()
-    ends = state.seen.clone()  # [B] each prompt's end
+    device = state.model.device
     for tokens, spans in reconstruction_tokens(state.reconstruction, compressed, state.policy.chunk_size, begin, end):
-        _, valid, positions = left_padded(tokens, state.seen)
-        state.captured = {}
-        try:
-            _, counts = forward(state, tokens)
-            captured = state.captured
-        finally:
-            state.captured = None
-        device = state.model.device
-        for layer_idx, layer in enumerate(state.cache.layers):
-            query, scaling = captured[layer_idx]
-            view = layer.read()
-            scores = reconstruction_scores(query, positions.to(device), valid.to(device), view.k, view.pos,
-                                           spans.to(device), ends.to(device), state.policy.sink_tokens, scaling)
-            in_chunk = (view.pos >= spans[:, 0, None, None].to(device)) & (view.pos < spans[:, 1, None, None].to(device))
-            layer.set_stats(view.index, torch.where(in_chunk, scores, view.stats), valid.any(1).to(device))
-            layer.evict(view.index, view.pos < ends[:, None, None].to(device))
-        state.seen -= counts
-    state.stat_end = ends
+        ids, valid, positions = left_padded(tokens, state.seen)
+        plan = ForwardPlan(state.cache, positions.to(device), valid.to(device), kernels=state.settings.kernels,
+                           reconstruction=ReconstructionChunk(spans.to(device), state.policy.sink_tokens))
+        state.model(input_ids=ids.to(device), position_ids=plan.positions, use_cache=False, logits_to_keep=1,
+                    evalkit_plan=plan)
+    state.stat_end = state.seen.clone()
     state.reconstruction_seconds += time.perf_counter() - begun

@@ -23,25 +23,32 @@ import torch
 from evalkit.attention import PromptRecord, evalkit_attention, store_statistic
 from evalkit.cache import KVCache
 from evalkit.loop.compression import slots_to_keep
+from evalkit.loop.reconstruction import reconstruct, reconstruction_prompts
 from evalkit.loop.state import GenerationSettings, LoopState, Request, forward, left_padded, new_cache, split_prompts
 from evalkit.policies import Policy, make_policy
 from evalkit.policies.query_moments import QueryMoments
 
 
 MOMENTS = "queries"  # a statistic key's kind for the prompt queries' moments: (MOMENTS, skip)
+RECONSTRUCTION = "reconstruction"  # KVzip's reconstruction scores: (RECONSTRUCTION, (chunk size, sinks))
 
 
-def statistic_key(policy: Policy, collect: str | None) -> tuple[str, int] | None:
+def statistic_key(policy: Policy, collect: str | None) -> tuple | None:
     """How a shared prefill names the statistic `collect` of `policy`: (collect, its window or 0)."""
     if collect is None:
         return None
     return collect, policy.observation_window if collect == "window" else 0
 
 
-def prefill_statistics(policy: Policy) -> set[tuple[str, int]]:
-    """Every statistic a shared prefill records for `policy`'s compression: its prefill statistic and, when
-    it reads them, the prompt queries' moments (MOMENTS, the positions they skip)."""
-    keys = {statistic_key(policy, policy.collect_prefill)} - {None}
+def reconstruction_key(policy: Policy) -> tuple | None:
+    """How a shared prefill names `policy`'s reconstruction scores (None: it reconstructs nothing)."""
+    return (RECONSTRUCTION, (policy.chunk_size, policy.sink_tokens)) if policy.reconstructs else None
+
+
+def prefill_statistics(policy: Policy) -> set[tuple]:
+    """Every statistic a shared prefill records for `policy`'s compression: its prefill statistic or its
+    reconstruction scores and, when it reads them, the prompt queries' moments (MOMENTS, the positions they skip)."""
+    keys = {statistic_key(policy, policy.collect_prefill), reconstruction_key(policy)} - {None}
     return keys | {(MOMENTS, policy.sink_tokens)} if policy.reads_query_moments else keys
 
 
@@ -52,8 +59,9 @@ class SharedPrefill:
     compressed: list[list[int]]  # the prompts prefilled, as `split_prompts` gives them
     record: PromptRecord
     logits: torch.Tensor  # [B, V] float32 after each prompt's last token
-    seconds: float
+    seconds: float  # the whole shared prefill, reconstructions included
     moments: list[QueryMoments] = field(default_factory=list)  # the queries' moments, one per skip asked for
+    reconstruction_seconds: dict = field(default_factory=dict)  # reconstruction key -> seconds it took
 
     # The prompts stored once per storage shape: (layout, block size, pool pages, tokens after the prefill)
     # -> (the cache, each layer's slots, {statistic key: the same storage with that statistic}).
@@ -68,7 +76,7 @@ class SharedPrefill:
             slots = layer.append(k, v, positions, valid)
             if key is not None:
                 store_statistic(layer, slots, state.collect, stats[key], valid)
-        self._advance(state, valid)
+        self._advance(state, valid, key)
         if state.observe:
             state.observe("forward", state.cache)
         return self.logits.clone()
@@ -81,7 +89,7 @@ class SharedPrefill:
         compaction would have left them. The last logits."""
         valid, positions = self._positions(state)
         stored = self._stored_with(state, after_prefill, valid, positions)
-        self._advance(state, valid)
+        self._advance(state, valid, self._statistic(state))
         chosen = slots_to_keep(state, stored.layers, caps)
         choices = [(layer.slot_index(), layer.gather(layer.pos, layer.slot_index()) >= 0) if c is None else c
                    for layer, c in zip(stored.layers, chosen)]
@@ -126,8 +134,11 @@ class SharedPrefill:
     def _kvs(self):
         return [self.record.layers[layer_idx] for layer_idx in range(len(self.record.layers))]
 
-    def _statistic(self, state: LoopState) -> tuple[str, int] | None:
-        key = statistic_key(state.policy, state.collect)
+    def _statistic(self, state: LoopState) -> tuple | None:
+        """The statistic a branch's prefill stores: its reconstruction scores when it reconstructs (KVzip,
+        evicting), else the one it collects."""
+        key = reconstruction_key(state.policy) if state.reconstruction is not None else \
+            statistic_key(state.policy, state.collect)
         if key is not None and key not in self.record.statistics:
             raise ValueError(f"the shared prefill recorded {self.record.statistics}, not {key}")
         return key
@@ -138,26 +149,53 @@ class SharedPrefill:
         device = state.model.device
         return valid.to(device), positions.to(device)
 
-    @staticmethod
-    def _advance(state: LoopState, valid: torch.Tensor) -> None:
+    def _advance(self, state: LoopState, valid: torch.Tensor, key: tuple | None) -> None:
+        """The branch has seen the prompts, scored when it stored a statistic (`key`)."""
         counts = valid.sum(1).cpu()
         state.seen += counts
-        if state.collect is not None:
+        if key is not None:
             state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
+        if key in self.reconstruction_seconds:
+            state.reconstruction_seconds = self.reconstruction_seconds[key]
 
 
 @torch.inference_mode()
-def share_prefill(model, requests: list[Request], query_aware: bool,
-                  statistics: set[tuple[str, int]]) -> SharedPrefill:
-    """The full prefill of `requests`' compressed prompts, once, with every statistic in `statistics`."""
+def share_prefill(model, requests: list[Request], query_aware: bool, statistics: set[tuple],
+                  tokenizer=None) -> SharedPrefill:
+    """The full prefill of `requests`' compressed prompts, once, with every statistic in `statistics`
+    (reconstruction scores asked with `tokenizer`'s prompts, as each branch's own prefill would)."""
     compressed, _ = split_prompts(requests, query_aware)
     settings = GenerationSettings(policy=make_policy("full"))
     start = torch.zeros(len(requests), dtype=torch.long)
     moments = [QueryMoments(skip) for kind, skip in sorted(statistics) if kind == MOMENTS]
     state = LoopState(model, None, settings.policy, settings, start, start.clone(),
-                      record=PromptRecord(sorted(s for s in statistics if s[0] != MOMENTS)),
+                      record=PromptRecord(sorted(s for s in statistics if s[0] not in (MOMENTS, RECONSTRUCTION))),
                       moments=moments, collect_moments=bool(moments))
     began = time.perf_counter()
+    seconds = {}
     with evalkit_attention(model):
         logits, _ = forward(state, compressed)
-    return SharedPrefill(compressed, state.record, logits, time.perf_counter() - began, moments)
+        for key in sorted(s for s in statistics if s[0] == RECONSTRUCTION):
+            seconds[key] = _reconstructed(model, tokenizer, compressed, state.record, key)
+    return SharedPrefill(compressed, state.record, logits, time.perf_counter() - began, moments, seconds)
+
+
+def _reconstructed(model, tokenizer, compressed: list[list[int]], record: PromptRecord, key: tuple) -> float:
+    """Add KVzip's reconstruction scores `key` to `record`: `reconstruct` on a cache holding the recorded
+    prompts, as a branch's own prefill leaves its cache. The seconds it took."""
+    chunk_size, sinks = key[1]
+    policy = make_policy("kvzip", args={"chunk_size": str(chunk_size), "sink_tokens": str(sinks)})
+    settings = GenerationSettings(policy=policy)
+    _, valid, positions = left_padded(compressed, torch.zeros(len(compressed), dtype=torch.long))
+    lengths = valid.sum(1)
+    cache = new_cache(model, settings, lengths, torch.zeros_like(lengths))
+    device = model.device
+    layers = [record.layers[layer_idx] for layer_idx in range(len(cache.layers))]
+    slots = [layer.append(k, v, positions.to(device), valid.to(device)) for layer, (k, v, _) in zip(cache.layers, layers)]
+    state = LoopState(model, cache, policy, settings, lengths.clone(), lengths.clone(),
+                      reconstruction=reconstruction_prompts(tokenizer))
+    reconstruct(state, compressed)
+    for layer, layer_slots, (_, _, stats) in zip(cache.layers, slots, layers):
+        stats[key] = layer.gather(layer.stats, layer_slots)
+    record.statistics.append(key)
+    return state.reconstruction_seconds

@@ -100,7 +100,6 @@ class LoopState:
     moments: list[QueryMoments] = field(default_factory=list)  # the prompt queries' moments, per skip asked for
     collect_moments: bool = False  # add this phase's queries to `moments`
     reconstruction: ReconstructionPrompts | None = None  # for a policy that `reconstructs` (KVzip)
-    captured: dict | None = None  # layer -> (queries [B, H_q, T, D], scaling) of the current forward, when asked
     reconstruction_seconds: float = 0.0  # spent reconstructing (part of the prefill's seconds)
     windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None (global); [] = none
 
@@ -128,7 +127,7 @@ def forward_inputs(state: LoopState, tokens: list[list[int]]):
     moments = (state.moments, *rope_of(state.model)(positions)) if state.collect_moments and state.moments else None
     plan = ForwardPlan(state.cache, positions, valid.to(device), state.collect, state.policy.observation_window,
                        state.attend_filter, state.attended, state.available, state.settings.kernels, state.record,
-                       moments, state.captured)
+                       moments)
     return ids.to(device), positions, plan, valid.sum(1)
 
 

@@ -5,8 +5,6 @@ import torch
 from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, register_presets
 from evalkit.policies.selection import Granularity, select_across_layers
 
-_QUERY_BLOCK = 256  # reconstruction queries per block: scores stay O(block * slots)
-
 
 @dataclass
 class KVzip(Policy):
@@ -58,36 +56,6 @@ class KVzip(Policy):
     def select_layers(self, scores, positions, seen, caps, recent) -> torch.Tensor:
         """[L, B, H_kv, N] bool: the slots kept when the budget is pooled over layers and heads."""
         return select_across_layers(scores, positions, seen, caps, self.sink_tokens, recent)
-
-
-def reconstruction_scores(query: torch.Tensor, q_pos: torch.Tensor, q_valid: torch.Tensor, keys: torch.Tensor,
-                          positions: torch.Tensor, chunk: torch.Tensor, context_end: torch.Tensor, sinks: int,
-                          scaling: float) -> torch.Tensor:
-    """[B, H_kv, N]: per slot, the most probability any reconstruction query of any query head of its KV head
-    gives it, the softmax being over the sinks before the chunk, the chunk and the reconstruction tokens.
-
-    query: [B, H_q, T, D] the reconstruction tokens' queries (after RoPE) at q_pos [B, T] (q_valid [B, T]:
-    False = padding); keys: [B, H_kv, N, D] and positions [B, H_kv, N] (-1 empty): every slot, the
-    reconstruction tokens' included; chunk: [B, 2] the chunk's first and end positions; context_end: [B]."""
-    B, H_q, T, D = query.shape
-    H_kv = keys.shape[1]
-    G = H_q // H_kv
-    start, end = chunk[:, 0, None, None], chunk[:, 1, None, None]  # [B, 1, 1]
-    added = positions >= context_end[:, None, None]
-    seen_keys = (positions >= 0) & ((positions < torch.minimum(start, torch.tensor(sinks)))
-                                    | ((positions >= start) & (positions < end)) | added)  # [B, H_kv, N]
-    best = torch.zeros(B, H_kv, keys.shape[2], dtype=torch.float32, device=keys.device)
-    work = torch.promote_types(keys.dtype, torch.float32)
-    q = query.to(work).view(B, H_kv, G, T, D)
-    for first in range(0, T, _QUERY_BLOCK):
-        block = slice(first, first + _QUERY_BLOCK)
-        logits = torch.einsum("bhgtd,bhnd->bhgtn", q[:, :, :, block], keys.to(work)) * scaling
-        causal = ~added[:, :, None, None] | (positions[:, :, None, None] <= q_pos[:, None, None, block, None])
-        logits = logits.masked_fill(~(seen_keys[:, :, None, None] & causal), float("-inf"))
-        probs = logits.softmax(-1).nan_to_num(0.0) * q_valid[:, None, None, block, None]  # padding queries: nothing
-        best = torch.maximum(best, probs.amax((2, 3)).float())
-    in_chunk = (positions >= start) & (positions < end)
-    return best.masked_fill(~in_chunk, 0.0)
 
 
 register_presets(KVzip, "kvzip")

@@ -1,0 +1,141 @@
+"""KVzip's reconstruction forward as torch functions of tensors: its attention and its score, in one pass.
+
+A reconstruction query reads the layer's held slots (the context) and the reconstruction tokens before it,
+which are never stored. Both attentions, and the score's softmax over a subset of them, are partial
+attentions over disjoint key sets, each with its rows' log-sum-exp (`attention_with_lse`), combined exactly
+(`merge_attention`); the score then needs one matmul over the held keys and a max, never a probability
+matrix (`most_probability`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_ELEMENTS_PER_BLOCK = 1 << 23  # a block's scores: 32 MiB of float32 (as `attention_ops`)
+
+
+def attention_with_lse(q, k, v, scaling, allowed=None, causal=False):
+    """Attention of q [B, H_q, T, D] over k, v [B, H_kv, N, D] with each row's log-sum-exp: out [B, H_q, T, D],
+    lse [B, H_q, T] (natural log; -inf, with out 0, for a row that sees no key). `allowed`: bool
+    [B, H_kv or 1, T or 1, N], the keys each query may read (None: all); `causal`: query i reads keys 0..i
+    (T == N). On a CPU the flash kernel SDPA itself runs (given an additive mask: what SDPA makes of a bool
+    one); elsewhere `attention_with_lse_reference`."""
+    if q.device.type != "cpu":
+        return attention_with_lse_reference(q, k, v, scaling, allowed, causal)
+    mask = None
+    if allowed is not None:
+        mask = _per_query_head(torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf")),
+                               q.shape[1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                          scale=scaling)[:2]
+    if allowed is not None:  # the kernel gives a row that sees nothing lse 0; no key means -inf
+        lse = lse.masked_fill(_per_query_head(~allowed.any(-1), q.shape[1]), float("-inf"))
+    return out, lse
+
+
+def _per_query_head(x: torch.Tensor, H_q: int) -> torch.Tensor:
+    """x [B, H_kv or 1, ...] -> [B, H_q or 1, ...]: a KV head's entry for each of its query heads."""
+    return x.repeat_interleave(H_q // x.shape[1], dim=1) if x.shape[1] > 1 else x
+
+
+def attention_with_lse_reference(q, k, v, scaling, allowed=None, causal=False):
+    """`attention_with_lse` in plain torch: a softmax per query block, K and V never repeated."""
+    B, H_q, T, D = q.shape
+    H_kv, N = k.shape[1], k.shape[2]
+    G = H_q // H_kv
+    if causal:
+        allowed = torch.ones(T, N, dtype=torch.bool, device=q.device).tril()[None, None]
+    out = torch.zeros(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H_kv, G, T, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+    q = q.view(B, H_kv, G, T, D)
+    block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
+    for start in range(0, T, block):
+        rows = slice(start, min(T, start + block))
+        t = rows.stop - rows.start
+        scores = torch.matmul(q[:, :, :, rows].reshape(B, H_kv, G * t, D), k.transpose(-1, -2))
+        scores = scores.view(B, H_kv, G, t, N).to(lse.dtype) * scaling
+        if allowed is not None:
+            seen = allowed[:, :, rows] if allowed.shape[2] > 1 else allowed
+            scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
+        lse[:, :, :, rows] = scores.logsumexp(-1)
+        probs = (scores - lse[:, :, :, rows, None]).exp().nan_to_num(0.0)  # a row that sees nothing: zeros
+        out[:, :, :, rows] = torch.matmul(probs.to(v.dtype).view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
+    return out.view(B, H_q, T, D), lse.view(B, H_q, T)
+
+
+def merge_attention(parts):
+    """One attention from partial ones over disjoint key sets, [(out [B, H_q, T, D], lse [B, H_q, T]), ...]
+    -> (out, lse); every row sees some key in some part."""
+    lse = functools.reduce(torch.logaddexp, [part_lse for _, part_lse in parts])
+    out = sum(part_out * (part_lse - lse).exp()[..., None].to(part_out.dtype) for part_out, part_lse in parts)
+    return out, lse
+
+
+def most_probability(q, k, lse, scaling) -> torch.Tensor:
+    """[B, H_kv, N] float32: per key, the largest probability exp(q.k * scaling - lse) any query of any query
+    head of its KV head gives it. q: [B, H_q, T, D], k: [B, H_kv, N, D], lse: [B, H_q, T] (+inf: a row that
+    counts for nothing). One matmul per block of rows, the row's -lse riding along as one more dimension."""
+    B, H_q, T, D = q.shape
+    H_kv, N = k.shape[1], k.shape[2]
+    work = torch.promote_types(q.dtype, torch.float32)
+    keys = torch.cat([k.to(work), torch.ones(B, H_kv, N, 1, dtype=work, device=k.device)], -1)  # [key, 1]
+    rows = torch.cat([q.to(work) * scaling, -lse[..., None].to(work)], -1).view(B, H_kv, H_q // H_kv * T, D + 1)
+    best = torch.full((B, H_kv, N), float("-inf"), dtype=work, device=k.device)
+    block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_kv * N))
+    for start in range(0, rows.shape[2], block):
+        logs = torch.matmul(keys, rows[:, :, start:start + block].transpose(-1, -2))  # [B, H_kv, N, rows]: log p
+        best = torch.maximum(best, logs.amax(-1))
+    return best.exp().float()
+
+
+def reconstruction_attention(q, q_pos, q_valid, new_k, new_v, k, v, positions, stats, chunk, sinks, scaling,
+                             sliding_window=None):
+    """A reconstruction forward in one layer: the queries' attention, and KVzip's score of the chunk's slots.
+
+    q: [B, H_q, T, D] the reconstruction tokens' queries at q_pos [B, T] (q_valid False: padding), new_k/new_v
+    [B, H_kv, T, D] their keys and values (never stored); k, v [B, H_kv, N, D], positions [B, H_kv, N] (-1
+    empty): the layer's held slots, all before the queries; stats [B, H_kv, N] their statistic; chunk [B, 2]
+    the chunk's first and end positions.
+    Returns out [B, T, H_q, D], what the layer's attention gives (held slots and the new tokens up to the
+    query, within the window), and the statistic with each chunk slot's score: the most probability any
+    valid query of any query head of its KV head gives it in a softmax over the held sinks before the chunk,
+    the chunk and the new tokens up to the query (no window: kvpress's KVzipPress).
+    """
+    start, end = chunk[:, 0, None, None], chunk[:, 1, None, None]  # [B, 1, 1]
+    in_chunk = (positions >= start) & (positions < end)  # [B, H_kv, N]
+    scored = in_chunk | ((positions >= 0) & (positions < start.clamp(max=sinks)))
+    unscored = (positions >= 0) & ~scored
+    # The new tokens among themselves: causal by position, padding unseen; a padding query sees them all (its
+    # row counts for nothing, but must not be blind: NaN would reach the next layer's keys).
+    causal = q_valid[:, None, None, :] & (q_pos[:, None, None, :] <= q_pos[:, None, :, None])  # [B, 1, T, T]
+    causal |= ~q_valid[:, None, :, None]
+    plain = bool(q_valid.all()) and not sliding_window  # then causal by index is causal by position
+    in_window = causal & (q_pos[:, None, None, :] > q_pos[:, None, :, None] - sliding_window) if sliding_window \
+        else causal
+    new_part = attention_with_lse(q, new_k, new_v, scaling, None if plain else in_window, causal=plain)
+    # The held slots in two parts, each gathered apart: the score's softmax reads the first alone.
+    parts = [_held_part(q, q_pos, k, v, positions, keep, scaling, sliding_window) for keep in (scored, unscored)]
+    out, _ = merge_attention([part for part in parts + [new_part] if part is not None])
+    if sliding_window:  # the score's softmax has no window
+        parts[0] = _held_part(q, q_pos, k, v, positions, scored, scaling, None)
+        new_part = attention_with_lse(q, new_k, new_v, scaling, causal)
+    lse = new_part[1] if parts[0] is None else torch.logaddexp(parts[0][1], new_part[1])
+    lse = lse.masked_fill(~q_valid[:, None, :], float("inf"))
+    return out.transpose(1, 2), torch.where(in_chunk, most_probability(q, k, lse, scaling), stats)
+
+
+def _held_part(q, q_pos, k, v, positions, keep, scaling, sliding_window):
+    """`attention_with_lse` of the queries over the held slots in `keep` [B, H_kv, N], gathered first, so that
+    its cost follows their number (None when no head keeps any)."""
+    counts = keep.sum(-1)  # [B, H_kv]
+    width = int(counts.max())
+    if width == 0:
+        return None
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :width]  # kept slots first
+    k, v = (x.gather(2, order[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (k, v))
+    seen = (torch.arange(width, device=k.device) < counts[..., None])[:, :, None, :]  # [B, H_kv, 1, width]
+    if sliding_window:
+        seen = seen & (positions.gather(2, order)[:, :, None, :] > q_pos[:, None, :, None] - sliding_window)
+    return attention_with_lse(q, k, v, scaling, seen)
