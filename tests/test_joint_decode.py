@@ -54,8 +54,11 @@ def shared_prefill(model, batch, cells, query_aware):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["llama", "qwen2 (biased projections)"])
 @pytest.mark.parametrize("count", [3, 12], ids=["3 cells (own products)", "12 cells (batched matmul)"])
-def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arch, count):
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole weights", "weights over 1 MiB in chunks"])
+def test_a_joint_forward_gives_each_cell_its_own_forwards_logits_bit_for_bit(arch, count, chunked, monkeypatch):
     assert (count <= joint_decode._OWN_PRODUCTS_UP_TO) == (count == 3)  # each linear path once
+    if chunked:  # as a real model's output head is read: a chunk of outputs at a time, by every cell
+        monkeypatch.setattr(joint_decode, "_CACHED_WEIGHT_BYTES", 1 << 20)
     model = wide_model(arch)
     batch = batch_of(2, torch.Generator().manual_seed(0))
     cells = cells_of(query_aware=True)[2:2 + count]

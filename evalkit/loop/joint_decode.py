@@ -141,16 +141,18 @@ _OWN_PRODUCTS_UP_TO = 3
 def _branchwise_linear(linear: torch.nn.Linear, branches: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(branches, -1, x.shape[-1])  # [branches, rows of a branch, in]
     weight, bias = linear.weight.t(), linear.bias  # [in, out], a view
-    if branches <= _OWN_PRODUCTS_UP_TO:  # F.linear's own products (mm, or addmm with a bias), written in place
-        out = x.new_empty(branches, rows.shape[1], weight.shape[1])
-        for branch in range(branches):
-            if bias is None:
-                torch.mm(rows[branch], weight, out=out[branch])
-            else:
-                torch.addmm(bias, rows[branch], weight, out=out[branch])
-        return out.view(*x.shape[:-1], -1)
     outputs = weight.shape[1]
     chunk = _CHUNK_OUTPUTS if weight.numel() * weight.element_size() > _CACHED_WEIGHT_BYTES else outputs
+    if branches <= _OWN_PRODUCTS_UP_TO:  # F.linear's own products (mm, or addmm with a bias), written in place
+        out = x.new_empty(branches, rows.shape[1], outputs)
+        for first in range(0, outputs, chunk):  # a large weight read once, a chunk at a time, for every branch
+            cols = slice(first, first + chunk)
+            for branch in range(branches):
+                if bias is None:
+                    torch.mm(rows[branch], weight[:, cols], out=out[branch, :, cols])
+                else:
+                    torch.addmm(bias[cols], rows[branch], weight[:, cols], out=out[branch, :, cols])
+        return out.view(*x.shape[:-1], -1)
     parts = []
     for first in range(0, outputs, chunk):
         part = weight[:, first:first + chunk].expand(branches, -1, -1)  # [branches, in, chunk], never copied
