@@ -566,6 +566,9 @@ SLIDING_CASES = [
     ("tova_token", "token", {}, 0.1, {**GEMMA3, "sliding_layers": "window"}),
     ("streaming_llm", "page", {}, 0.1, {**GEMMA3_CHUNKED, "sliding_layers": "window"}),
     ("knorm_head", "head", {}, 0.3, {**GEMMA3_NO_DECODE_EVICTION, "layout": "dense"}),
+    # KVzip's reconstruction queries attend within the window; its score's softmax has none (kvpress).
+    ("kvzip_head", "head", {"chunk_size": "24", "sink_tokens": "2"}, 0.1, GEMMA3),
+    ("kvzip_token", "token", {"chunk_size": "12"}, 0.3, GEMMA3_CHUNKED),
 ]
 
 
