@@ -47,8 +47,8 @@ def policy_refusal(policy: Policy) -> str | None:
     """Why `policy` cannot decode with the static step (None: it can)."""
     if policy.restricts_reads:
         return f"{policy.name} chooses the pages each query reads, a host-side step"
-    if policy.selects_across_layers or type(policy).select is not Policy.select:
-        return f"{policy.name} selects with its own rule, not `keep_mask`"
+    if policy.selects_across_layers:
+        return f"{policy.name} selects every layer's slots at once, not one layer's with `keep_mask`"
     return policy.not_static or None
 
 

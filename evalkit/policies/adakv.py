@@ -27,9 +27,11 @@ def adakv_of(wrapped: type[Policy]) -> type[Policy]:
         differs = "at token and page granularity there is one set for all heads, nothing to reallocate: it is the scorer alone"
         cannot_run_at = {Granularity.HEAD_PAGE: "Ada-KV allocates single tokens across heads; it has no per-head page variant"}
 
-        def select(self, scores, positions, seen, caps, block_size, recent):
+        not_static = "Ada-KV reallocates each layer's budget across its heads on the host"
+
+        def select(self, scores, positions, seen, caps, block_size, recent, span=None):
             if self.granularity != Granularity.HEAD:  # one token set for all heads: nothing to reallocate
-                return super().select(scores, positions, seen, caps, block_size, recent)
+                return super().select(scores, positions, seen, caps, block_size, recent, span)
             return select_adaptive(scores, positions, seen, caps, self.alpha_safeguard, self.sink_tokens, recent)
 
     AdaKV.__name__ = AdaKV.__qualname__ = f"Ada{wrapped.__name__}"

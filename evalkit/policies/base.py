@@ -89,7 +89,6 @@ class Policy:
     applies_model_rope: ClassVar[bool] = False  # True: it rotates queries or keys with the model's one RoPE itself
     reads_output_projection: ClassVar[bool] = False  # True: `score` reads the layer's o_proj weight
     reconstructs: ClassVar[bool] = False  # True: the loop runs a context-reconstruction forward (KVzip) after the prefill
-    selects_across_layers: ClassVar[bool] = False  # True: `select_layers` chooses every layer's slots at once
     not_static: ClassVar[str] = ""  # why its decode cannot run as a static step (`loop.static_decode`), if it cannot
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it
     arg_aliases: ClassVar[dict[str, str]] = {}  # short name -> field name, for --policy-arg
@@ -102,6 +101,11 @@ class Policy:
     @property
     def needs_statistic(self) -> bool:
         return self.collect_prefill is not None
+
+    @property
+    def selects_across_layers(self) -> bool:
+        """True: `select_layers` chooses every layer's slots at once (KVzip's budget pooled over layers)."""
+        return False
 
     def recent_count(self, caps: torch.Tensor) -> torch.Tensor:
         """Most recent tokens protected at these caps (before clamping to it)."""

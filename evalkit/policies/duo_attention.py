@@ -60,6 +60,7 @@ class DuoAttention(Policy):
                "to the lower layer and head where kvpress's numpy argsort leaves them unspecified); streaming heads "
                "stay a sliding window while decoding (kvpress compresses the prompt only)")
     arg_aliases = {"sink_size": "sink_tokens", "recent_size": "recent_tokens"}
+    not_static = "DuoAttention keeps each head's role's window by its own rule, not `keep_mask`"
     cannot_run_at = {
         Granularity.TOKEN: "DuoAttention gives each KV head its own role; one token set for all heads would undo it",
         Granularity.PAGE: "DuoAttention gives each KV head its own role; pages shared by all heads would undo it",
@@ -126,7 +127,7 @@ class DuoAttention(Policy):
         retrieval = ~self.streaming[:, inp.layer].to(inp.positions.device)  # [B, H_kv]
         return retrieval[..., None].float().expand(inp.positions.shape)
 
-    def select(self, scores, positions, seen, caps, block_size, recent) -> torch.Tensor:
+    def select(self, scores, positions, seen, caps, block_size, recent, span=None) -> torch.Tensor:
         """Every slot of a retrieval head; a streaming head's sinks and its `caps - sink_tokens` most recent
         positions (recent_tokens; while decoding plus the question appended after compression, as every cap).
         At head_page, a streaming head's pages lying wholly within those, and its newest page."""
