@@ -1,11 +1,8 @@
 """`evalkit bench` on a tiny random model: every cell in the JSON, sane numbers, plots, resume, bad input.
 Structure only: no assertion here depends on how fast anything ran."""
 
-import contextlib
-import io
 import json
 import math
-import sys
 
 import pytest
 import torch
@@ -15,8 +12,8 @@ from evalkit.bench.components import (HeadShape, decode_attention_point, fit_pow
                                       selection_point, summarise)
 from evalkit.bench.generations import FULL, HF_LOOP, BenchCell, compare_with_full, grid_cells, targets
 from evalkit.bench.isolation import Isolated, PeakMemory
-from evalkit.cli import main
 from evalkit.errors import EvalkitError
+from helpers import run_cli
 
 LENGTHS = (48, 64)
 NEW_TOKENS = 3
@@ -24,22 +21,6 @@ POLICIES = ("h2o_head", "streaming_llm")
 BUDGET = 0.5
 LAYOUTS = ("paged", "dense")
 SHAPE = HeadShape(query_heads=6, kv_heads=2, head_dim=16, dtype="float32", device="cpu")
-
-
-def run_cli(*args) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    argv = sys.argv
-    sys.argv = ["evalkit", *args]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main()
-                code = 0
-            except SystemExit as done:
-                code = done.code
-    finally:
-        sys.argv = argv
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from test_bench import run_cli
+from helpers import run_cli
 
 LENGTH = 320  # the sweep's niah_single_2 prompts need room for a needle and the question
 

@@ -7,20 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from evalkit.cli import main
+from helpers import evalkit, read_run
 
 SHORT = ["--length", "600", "--samples", "3"]
-
-
-def evalkit(monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["evalkit", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -76,12 +65,6 @@ def test_listings_name_every_policy_and_task(monkeypatch, capsys):
     assert "bandwidth" in out and "memory" in out and "arXiv:2404.14469" in out
     code, out, _ = evalkit(monkeypatch, capsys, "tasks")
     assert code == 0 and all(name in out for name in TASKS.names())
-
-
-def read_run(out: Path, policy: str):
-    (run_dir,) = [p for p in out.iterdir() if f"-{policy}-" in p.name]
-    records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
-    return run_dir, records, json.loads((run_dir / "metrics.json").read_text())
 
 
 def test_end_to_end_on_the_default_model(monkeypatch, capsys, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from test_cli import evalkit
+from helpers import evalkit
 
 # Examples per command: together well under a minute on a busy 2-core machine.
 EXAMPLES = {"run": 60, "sweep": 40, "bench": 30, "lm-eval": 40, "report": 10, "heatmap": 20}

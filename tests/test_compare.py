@@ -5,7 +5,7 @@ import json
 import pytest
 from scipy import stats
 
-from test_cli import evalkit
+from helpers import evalkit
 
 BASE = {"task": "ruler:niah_single_2", "task_args": {}, "length": 512, "samples": 20, "model": "m", "seed": 0,
         "temperature": 0.0, "dtype": "auto", "layout": "paged", "query_aware": True, "granularity": None,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from evalkit.sweep.plan import read_config_file
-from test_cli import evalkit
+from helpers import evalkit
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))

@@ -9,7 +9,7 @@ from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.tasks.custom import MAX_CHARS_PER_TOKEN, RULER_MAX_NEW_TOKENS, DataTask, make_task
 from evalkit.tasks.metrics import exact
-from test_cli import evalkit
+from helpers import evalkit
 
 KVPRESS = [
     {"id": "code-a", "task": "codes", "context": "The code of the blue door is 4817. The weather was mild.",

@@ -317,7 +317,7 @@ def test_no_calibration_text_is_one_line(monkeypatch, tmp_path):
 
 
 def test_cli_refuses_a_length_no_longer_than_the_window_with_no_run_folder(monkeypatch, capsys, tmp_path):
-    from test_cli import evalkit
+    from helpers import evalkit
 
     out = tmp_path / "runs"
     code, _, err = evalkit(monkeypatch, capsys, "run", "--policy", "duo_attention", "--length", "300",

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from test_cli import evalkit, read_run
+from helpers import evalkit, read_run
 from evalkit import assets
 from evalkit.assets import essays_dir
 from evalkit.errors import EvalkitError

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from evalkit.errors import EvalkitError
-from test_cli import evalkit
+from helpers import evalkit
 
 EVALKIT = str(Path(sys.executable).parent / "evalkit")
 RECORDS = [{"id": f"r{i}", "context": f"The code is {i}{i}{i}. " * 20, "question": "What is the code?",

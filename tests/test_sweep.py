@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import evalkit
+from helpers import evalkit
 
 EVALKIT = str(Path(sys.executable).parent / "evalkit")
 POLICIES, BUDGETS = ["h2o_head", "snapkv_head", "streaming_llm"], [0.1, 0.3, 0.5]
