@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES
 from evalkit.policies import tokens_for
-from evalkit.policies.selection import Granularity, keep_mask, select_adaptive
+from evalkit.policies.adakv import select_adaptive
+from evalkit.policies.selection import Granularity, keep_mask
 
 
 def t(rows, dtype=torch.float32):

@@ -1,8 +1,11 @@
 from dataclasses import dataclass
 
+import torch
+
 from evalkit.policies.base import POLICIES, Policy, arg, register_wrapper
 from evalkit.policies.scorers import SCORERS
-from evalkit.policies.selection import Granularity, select_adaptive
+from evalkit.policies.selection import (ABSENT, RANKED, Granularity, keep_order, keep_rank, position_space,
+                                         to_slots)
 
 
 def adakv_of(wrapped: type[Policy]) -> type[Policy]:
@@ -36,6 +39,30 @@ def adakv_of(wrapped: type[Policy]) -> type[Policy]:
 
     AdaKV.__name__ = AdaKV.__qualname__ = f"Ada{wrapped.__name__}"
     return AdaKV
+
+
+def select_adaptive(scores, positions, seen, caps, alpha_safeguard: float = 0.2, sink_tokens: int = 0,
+                    recent=None) -> torch.Tensor:
+    """Ada-KV's allocation: a layer keeps `budget[b] * H_kv` tokens in all, split across heads by score.
+
+    Each head first keeps its protected tokens (at most its cap, in the keep order) and its best
+    ceil(alpha_safeguard * cap); the rest of the layer's budget goes to the highest remaining
+    scores of any head (ties: lower head, earlier position).
+    """
+    pos_scores, present, sink, protected, col, live = position_space(scores, positions, seen, sink_tokens, recent)
+    B, H, T = pos_scores.shape
+    tier, secondary = keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T, device=scores.device).expand(B, H, T))
+    n_protected = (present & protected[:, None]).sum(-1)  # [B, H]
+    head_cap = caps[:, None]
+    floor = torch.ceil(caps.double() * alpha_safeguard).long()[:, None]
+    forced_count = torch.maximum(torch.minimum(n_protected, head_cap), torch.minimum(floor, head_cap))
+    forced = present & (keep_rank(tier, secondary) < forced_count[..., None])
+    left = (caps * H - forced.sum((1, 2))).clamp(min=0)  # [B]
+    pool = present & ~forced
+    pool_tier = torch.where(pool, RANKED, ABSENT).view(B, H * T)
+    pool_rank = keep_rank(pool_tier, (-pos_scores.double()).masked_fill(~pool, 0.0).view(B, H * T))
+    chosen = pool & (pool_rank < left[:, None]).view(B, H, T)
+    return to_slots(forced | chosen, col, live)
 
 
 for _base, _scorer in SCORERS.items():

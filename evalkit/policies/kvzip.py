@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, register_presets
-from evalkit.policies.selection import Granularity, select_across_layers
+from evalkit.policies.selection import ABSENT, RANKED, Granularity, keep_rank
 
 
 @dataclass
@@ -56,6 +56,25 @@ class KVzip(Policy):
     def select_layers(self, scores, positions, seen, caps, recent) -> torch.Tensor:
         """[L, B, H_kv, N] bool: the slots kept when the budget is pooled over layers and heads."""
         return select_across_layers(scores, positions, seen, caps, self.sink_tokens, recent)
+
+
+def select_across_layers(scores, positions, seen, caps, sink_tokens: int = 0, recent=None) -> torch.Tensor:
+    """One budget for every layer and KV head of a sequence (KVzip's default): [L, B, H_kv, N] bool.
+
+    scores, positions: [L, B, H_kv, N]; caps, recent: [L, B]. A sequence keeps sum_l caps[l] x H_kv tokens in
+    all: first every protected token (sinks, each layer's recent ones), then the highest scores of any layer
+    and head (ties: lower layer, lower head, earlier slot).
+    """
+    L, B, H, N = scores.shape
+    live = positions >= 0
+    recent = torch.zeros_like(caps) if recent is None else recent
+    protected = live & ((positions < sink_tokens) | (positions >= (seen - recent)[..., None, None]))
+    left = (caps.sum(0) * H - protected.sum((0, 2, 3))).clamp(min=0)  # [B]
+    pool = (live & ~protected).transpose(0, 1).reshape(B, -1)  # [B, L * H * N], layer-major
+    ranked = (-scores.double()).transpose(0, 1).reshape(B, -1).masked_fill(~pool, 0.0)
+    rank = keep_rank(torch.where(pool, RANKED, ABSENT), ranked)
+    chosen = (pool & (rank < left[:, None])).view(B, L, H, N).transpose(0, 1)
+    return protected | chosen
 
 
 register_presets(KVzip, "kvzip")

@@ -34,7 +34,7 @@ PAGE_GRANULARITIES = (Granularity.PAGE, Granularity.HEAD_PAGE)
 SINK, PROTECTED, RANKED, ABSENT = 0, 1, 2, 3
 
 
-def _rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
+def keep_rank(tier: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
     """Rank (0 = kept first) of each entry along the last dim, by (tier, secondary, index), all ascending."""
     order = torch.argsort(secondary, dim=-1, stable=True)
     order = order.gather(-1, torch.argsort(tier.gather(-1, order), dim=-1, stable=True))
@@ -68,7 +68,7 @@ def _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent, static
 
 def _last_in_keep_order(scores, present, sink, protected, index) -> torch.Tensor:
     """[..., T] bool: the units ranked last in the keep order (before the tie on `index`), by reductions."""
-    tier, secondary = _keep_order(scores, present, sink, protected, index)
+    tier, secondary = keep_order(scores, present, sink, protected, index)
     tier = tier.masked_fill(~present, -1)
     last = present & (tier == tier.amax(-1, keepdim=True))
     secondary = secondary.masked_fill(~last, NEG_INF)
@@ -88,7 +88,7 @@ def _drop_one_token(pos_scores, present, seen, caps, sink, protected) -> torch.T
     return (token_present & ~(last & over))[:, None, :]
 
 
-def _keep_order(scores, present, sink, protected, index):
+def keep_order(scores, present, sink, protected, index):
     """(tier, secondary) of the keep order; `index` is the unit's position (or page) number."""
     tier = torch.full_like(index, RANKED).masked_fill(protected, PROTECTED).masked_fill(sink, SINK)
     tier = tier.masked_fill(~present, ABSENT)
@@ -97,7 +97,7 @@ def _keep_order(scores, present, sink, protected, index):
     return tier, secondary.masked_fill(~present, 0.0)
 
 
-def _position_space(scores, positions, seen, sink_tokens, recent, span: int | None = None):
+def position_space(scores, positions, seen, sink_tokens, recent, span: int | None = None):
     """Scores laid out by position: (scores [B, H, T], present [B, H, T], sink, protected [B, T], col, live).
     T = `span` when given (a bound on the positions, fixed for a static decode step), else the most seen."""
     B, H, _ = scores.shape
@@ -115,7 +115,7 @@ def _position_space(scores, positions, seen, sink_tokens, recent, span: int | No
     return pos_scores[..., :T], present[..., :T], sink, protected, col, live
 
 
-def _to_slots(keep: torch.Tensor, col: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+def to_slots(keep: torch.Tensor, col: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     keep = torch.cat([keep, torch.zeros(*keep.shape[:2], 1, dtype=torch.bool, device=keep.device)], dim=2)
     return keep.gather(2, col) & live
 
@@ -137,51 +137,27 @@ def keep_mask(
         keep = _drop_at_most_one(scores, positions, seen, caps, sink_tokens, recent, static=span is not None)
         if keep is not None:
             return keep
-    pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent,
+    pos_scores, present, sink, protected, col, live = position_space(scores, positions, seen, sink_tokens, recent,
                                                                       span)
     B, H, T = pos_scores.shape
     position = torch.arange(T, device=scores.device).expand(B, H, T)
     if granularity == Granularity.TOKEN and span is not None:
         keep = present & _drop_one_token(pos_scores, present, seen, caps, sink, protected)
     elif granularity == Granularity.HEAD:
-        tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
-        keep = present & (_rank(tier, secondary) < caps[:, None, None])
+        tier, secondary = keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
+        keep = present & (keep_rank(tier, secondary) < caps[:, None, None])
     elif granularity == Granularity.TOKEN:
         token_present = present.any(1)  # [B, T]
         token_score = pos_scores.masked_fill(~present, 0).sum(1) / present.sum(1).clamp(min=1)
-        tier, secondary = _keep_order(token_score, token_present, sink, protected, position[:, 0])
-        keep = present & (_rank(tier, secondary) < caps[:, None])[:, None, :]
+        tier, secondary = keep_order(token_score, token_present, sink, protected, position[:, 0])
+        keep = present & (keep_rank(tier, secondary) < caps[:, None])[:, None, :]
     elif granularity in PAGE_GRANULARITIES:
         keep = present & _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size,
                                      per_head=granularity == Granularity.HEAD_PAGE,
                                      rounds=None if span is None else block_size + 1)
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
-    return _to_slots(keep, col, live)
-
-
-def select_adaptive(scores, positions, seen, caps, alpha_safeguard: float = 0.2, sink_tokens: int = 0,
-                    recent=None) -> torch.Tensor:
-    """Ada-KV's allocation: a layer keeps `budget[b] * H_kv` tokens in all, split across heads by score.
-
-    Each head first keeps its protected tokens (at most its cap, in the keep order) and its best
-    ceil(alpha_safeguard * cap); the rest of the layer's budget goes to the highest remaining
-    scores of any head (ties: lower head, earlier position).
-    """
-    pos_scores, present, sink, protected, col, live = _position_space(scores, positions, seen, sink_tokens, recent)
-    B, H, T = pos_scores.shape
-    tier, secondary = _keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T, device=scores.device).expand(B, H, T))
-    n_protected = (present & protected[:, None]).sum(-1)  # [B, H]
-    head_cap = caps[:, None]
-    floor = torch.ceil(caps.double() * alpha_safeguard).long()[:, None]
-    forced_count = torch.maximum(torch.minimum(n_protected, head_cap), torch.minimum(floor, head_cap))
-    forced = present & (_rank(tier, secondary) < forced_count[..., None])
-    left = (caps * H - forced.sum((1, 2))).clamp(min=0)  # [B]
-    pool = present & ~forced
-    pool_tier = torch.where(pool, RANKED, ABSENT).view(B, H * T)
-    pool_rank = _rank(pool_tier, (-pos_scores.double()).masked_fill(~pool, 0.0).view(B, H * T))
-    chosen = pool & (pool_rank < left[:, None]).view(B, H, T)
-    return _to_slots(forced | chosen, col, live)
+    return to_slots(keep, col, live)
 
 
 def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, per_head: bool,
@@ -220,8 +196,8 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, pe
     page_protected |= (page == filling[:, None]).view(B, *(1,) * (page_score.dim() - 2), P) & page_present
 
     page_index = page.expand_as(page_score)
-    tier, secondary = _keep_order(page_score, page_present, page_sink, page_protected, page_index)
-    order = torch.argsort(_rank(tier, secondary), dim=-1)  # page ids in keep order
+    tier, secondary = keep_order(page_score, page_present, page_sink, page_protected, page_index)
+    order = torch.argsort(keep_rank(tier, secondary), dim=-1)  # page ids in keep order
     count = tokens.gather(-1, order)
     remaining = caps.view(B, *(1,) * (count.dim() - 1)).clone()
     candidate = count > 0
@@ -239,22 +215,3 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, pe
     keep_page = torch.zeros_like(taken).scatter(-1, order, taken)
     keep = keep_page.repeat_interleave(S, dim=-1)[..., :T]
     return keep if per_head else keep[:, None, :]
-
-
-def select_across_layers(scores, positions, seen, caps, sink_tokens: int = 0, recent=None) -> torch.Tensor:
-    """One budget for every layer and KV head of a sequence (KVzip's default): [L, B, H_kv, N] bool.
-
-    scores, positions: [L, B, H_kv, N]; caps, recent: [L, B]. A sequence keeps sum_l caps[l] x H_kv tokens in
-    all: first every protected token (sinks, each layer's recent ones), then the highest scores of any layer
-    and head (ties: lower layer, lower head, earlier slot).
-    """
-    L, B, H, N = scores.shape
-    live = positions >= 0
-    recent = torch.zeros_like(caps) if recent is None else recent
-    protected = live & ((positions < sink_tokens) | (positions >= (seen - recent)[..., None, None]))
-    left = (caps.sum(0) * H - protected.sum((0, 2, 3))).clamp(min=0)  # [B]
-    pool = (live & ~protected).transpose(0, 1).reshape(B, -1)  # [B, L * H * N], layer-major
-    ranked = (-scores.double()).transpose(0, 1).reshape(B, -1).masked_fill(~pool, 0.0)
-    rank = _rank(torch.where(pool, RANKED, ABSENT), ranked)
-    chosen = (pool & (rank < left[:, None])).view(B, L, H, N).transpose(0, 1)
-    return protected | chosen
