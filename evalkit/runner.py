@@ -41,6 +41,28 @@ _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
 
 
 @dataclass
+class Record:
+    """One sample's line of predictions.jsonl, whatever the task: what it kept, held and took, and its score."""
+
+    id: str
+    prompt_tokens: float
+    score: float
+    kept_tokens: float
+    bytes_held: float
+    bytes_ideal: float
+    bytes_full: float
+    new_tokens: int
+    attended_fraction: float
+    meta: dict
+    seconds: dict  # "prefill_seconds", "decode_seconds", ...: batch-wide, divided evenly over its samples
+    task: dict  # the task's own: a generation's prediction and references, a passage's losses
+
+    def as_dict(self) -> dict:
+        common = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("seconds", "task")}
+        return {**common, **self.task, **self.seconds}
+
+
+@dataclass
 class RunResult:
     run_id: str
     path: str
@@ -278,16 +300,13 @@ def _generation_evaluation(task: Task, config: RunConfig, model, tokenizer) -> _
         return [records(batch, run_generations) for run_generations in generations]
 
     def records(batch, generations) -> list[dict]:
-        return [{
-            "id": sample.id, "prompt_tokens": gen.prompt_tokens, "prediction": gen.text,
-            "references": sample.references, "score": task.score(gen.text, sample.references),
-            "kept_tokens": gen.kept_tokens, "bytes_held": gen.bytes_held,
-            "bytes_ideal": gen.bytes_ideal, "bytes_full": gen.bytes_full,
-            "new_tokens": len(gen.token_ids), "attended_fraction": gen.attended_fraction,
-            "meta": sample.meta,
+        return [Record(
+            sample.id, gen.prompt_tokens, task.score(gen.text, sample.references), gen.kept_tokens, gen.bytes_held,
+            gen.bytes_ideal, gen.bytes_full, len(gen.token_ids), gen.attended_fraction, sample.meta,
             # Batch-wide timings, divided evenly so sums over records stay right.
-            **{key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
-        } for (sample, _), gen in zip(batch, generations)]
+            {key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
+            {"prediction": gen.text, "references": sample.references},
+        ).as_dict() for (sample, _), gen in zip(batch, generations)]
 
     def summarize(records: list[dict]) -> dict:
         return {**aggregate(records), "metric": task.metric, "higher_is_better": True,
@@ -321,13 +340,11 @@ def _perplexity_evaluation(task: Perplexity, config: RunConfig, model, tokenizer
         records = []
         for (sample, _), scored in zip(batch, scores):
             summary = task.loss_summary(scored.logprobs, first_position=chunk)
-            records.append({
-                "id": sample.id, "prompt_tokens": scored.prompt_tokens, "score": summary["perplexity"], **summary,
-                "kept_tokens": scored.kept_tokens, "bytes_held": scored.bytes_held,
-                "bytes_ideal": scored.bytes_ideal, "bytes_full": scored.bytes_full,
-                "new_tokens": 0, "attended_fraction": 1.0, "meta": sample.meta,
-                "prefill_seconds": seconds, "decode_seconds": 0.0,
-            })
+            records.append(Record(
+                sample.id, scored.prompt_tokens, summary["perplexity"], scored.kept_tokens, scored.bytes_held,
+                scored.bytes_ideal, scored.bytes_full, 0, 1.0, sample.meta,
+                {"prefill_seconds": seconds, "decode_seconds": 0.0}, summary,
+            ).as_dict())
         return records
 
     def summarize(records: list[dict]) -> dict:
