@@ -552,7 +552,7 @@ def kvpress_cache(out: Path, stem: str, key: str) -> Path:
 
 
 def calibration_texts(model_dir: Path) -> list[dict]:
-    """evalkit's DuoAttention calibration (`evalkit.policies.duo_attention.calibration_ids`: the first 1,024 tokens of
+    """evalkit's DuoAttention calibration (`evalkit.policies.duo_calibration.calibration_ids`: the first 1,024 tokens of
     the first 4 shipped Paul Graham essays, in the model's tokenizer) as text kvpress's `tokenizer(text)` turns into
     the same ids: each as {"text", "ids"}, the decoded ids, checked to tokenise back to them here (and again in
     kvpress's virtualenv by the helper)."""
@@ -560,7 +560,7 @@ def calibration_texts(model_dir: Path) -> list[dict]:
 
     from transformers import AutoConfig, AutoTokenizer
 
-    from evalkit.policies.duo_attention import calibration_ids
+    from evalkit.policies.duo_calibration import calibration_ids
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = SimpleNamespace(config=AutoConfig.from_pretrained(str(model_dir)))  # what calibration_ids reads

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_model
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
-from evalkit.policies import duo_attention, make_policy
+from evalkit.policies import duo_attention, duo_calibration, make_policy
 from evalkit.policies.duo_attention import DuoAttention
 
 SMALL = {"sink_size": "2", "recent_size": "6"}  # windows the tiny model's short prompts can hold
@@ -257,39 +257,39 @@ def test_head_scores_are_kvpress_on_the_fly_scores():
     model = tiny_model("llama", kv_heads=2, seed=3)
     g = torch.Generator().manual_seed(9)
     texts = [torch.randint(0, 128, (96,), generator=g).tolist() for _ in range(3)]
-    ours = duo_attention.score_heads(model, texts)
-    torch.testing.assert_close(ours, kvpress_scores(model, texts, duo_attention.QUERY_LENGTH), rtol=1e-5, atol=1e-6)
+    ours = duo_calibration.score_heads(model, texts)
+    torch.testing.assert_close(ours, kvpress_scores(model, texts, duo_calibration.QUERY_LENGTH), rtol=1e-5, atol=1e-6)
     assert ours.shape == (2, 2) and len(set(ours.flatten().tolist())) == 4  # heads told apart
 
 
 def test_head_scores_are_computed_once_per_model_and_kept_on_disk(monkeypatch, tmp_path):
     calls = []
-    real = duo_attention.text_scores
-    monkeypatch.setattr(duo_attention, "text_scores",
+    real = duo_calibration.text_scores
+    monkeypatch.setattr(duo_calibration, "text_scores",
                         lambda model, texts: calls.append(len(texts)) or real(model, texts))
-    monkeypatch.setattr(duo_attention, "_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(duo_attention, "_SCORES", {})
+    monkeypatch.setattr(duo_calibration, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(duo_calibration, "_SCORES", {})
     model = tiny_model("llama", seed=11)
-    first = duo_attention.calibrated_head_scores(model)
-    assert sum(calls) == duo_attention.CALIBRATION_TEXTS
-    assert duo_attention.calibrated_head_scores(tiny_model("llama", seed=11)) is first  # same weights: this process
+    first = duo_calibration.calibrated_head_scores(model)
+    assert sum(calls) == duo_calibration.CALIBRATION_TEXTS
+    assert duo_calibration.calibrated_head_scores(tiny_model("llama", seed=11)) is first  # same weights: this process
     assert not list(tmp_path.iterdir())  # a model built from a config has no folder to key a file on
-    other = duo_attention.calibrated_head_scores(tiny_model("llama", seed=12))
-    assert sum(calls) == 2 * duo_attention.CALIBRATION_TEXTS and not torch.equal(first, other)
+    other = duo_calibration.calibrated_head_scores(tiny_model("llama", seed=12))
+    assert sum(calls) == 2 * duo_calibration.CALIBRATION_TEXTS and not torch.equal(first, other)
 
     named = tiny_model("llama", seed=11)
     named.config.name_or_path = "some/folder"
     bytes_tokenizer = lambda text: {"input_ids": [b % 128 for b in text.encode("utf-8")]}  # noqa: E731
-    on_disk = duo_attention.calibrated_head_scores(named, bytes_tokenizer)
-    assert sum(calls) == 2 * duo_attention.CALIBRATION_TEXTS  # the same ids as the bytes fallback: same key
-    monkeypatch.setattr(duo_attention, "_SCORES", {})  # a new process
-    again = duo_attention.calibrated_head_scores(named, bytes_tokenizer)
-    assert sum(calls) == 3 * duo_attention.CALIBRATION_TEXTS  # computed once more, then written
+    on_disk = duo_calibration.calibrated_head_scores(named, bytes_tokenizer)
+    assert sum(calls) == 2 * duo_calibration.CALIBRATION_TEXTS  # the same ids as the bytes fallback: same key
+    monkeypatch.setattr(duo_calibration, "_SCORES", {})  # a new process
+    again = duo_calibration.calibrated_head_scores(named, bytes_tokenizer)
+    assert sum(calls) == 3 * duo_calibration.CALIBRATION_TEXTS  # computed once more, then written
     saved, = tmp_path.iterdir()
     assert json.loads(saved.read_text())["scores"] == again.tolist()
-    monkeypatch.setattr(duo_attention, "_SCORES", {})
-    assert torch.equal(duo_attention.calibrated_head_scores(named, bytes_tokenizer), again)
-    assert sum(calls) == 3 * duo_attention.CALIBRATION_TEXTS and torch.allclose(on_disk, again)
+    monkeypatch.setattr(duo_calibration, "_SCORES", {})
+    assert torch.equal(duo_calibration.calibrated_head_scores(named, bytes_tokenizer), again)
+    assert sum(calls) == 3 * duo_calibration.CALIBRATION_TEXTS and torch.allclose(on_disk, again)
 
 
 # --- refusals ------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import evalkit.attention_ops
 import evalkit.policies.adakv
 import evalkit.policies.critical
 import evalkit.policies.duo_attention
+import evalkit.policies.duo_calibration
 import evalkit.policies.h2o
 import evalkit.policies.keydiff
 import evalkit.policies.lagkv
@@ -309,7 +310,7 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
         # loop's `prepare` computes them. The calibration itself is held to kvpress's computation in
         # tests/test_duo_attention.py::test_head_scores_are_kvpress_on_the_fly_scores; the oracle re-derives how many
         # heads stream, which, and what each keeps.
-        scores = evalkit.policies.duo_attention.calibrated_head_scores(model(env["arch"]))
+        scores = evalkit.policies.duo_calibration.calibrated_head_scores(model(env["arch"]))
         overrides["head_scores"] = tuple(tuple(float(x) for x in row) for row in scores.tolist())
     spec = published_spec(family, granularity, **overrides)
     settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
