@@ -22,8 +22,8 @@ from transformers.masking_utils import AttentionMaskInterface
 from evalkit.attention_ops import attention_reference, decode_attention, prompt_attention, statistic_queries, visible
 from evalkit.cache import KVCache
 from evalkit.kernels import use_triton
-from evalkit.reconstruction_ops import reconstruction_attention
 from evalkit.policies.query_moments import QueryMoments
+from evalkit.reconstruction_ops import reconstruction_attention
 
 ATTENTION_NAME = "evalkit"
 

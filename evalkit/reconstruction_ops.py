@@ -2,9 +2,9 @@
 
 A reconstruction query reads the layer's held slots (the context) and the reconstruction tokens before it,
 which are never stored. Both attentions, and the score's softmax over a subset of them, are partial
-attentions over disjoint key sets, each with its rows' log-sum-exp (`attention_with_lse`), combined exactly
-(`merge_attention`); the score then needs one matmul over the held keys and a max, never a probability
-matrix (`most_probability`).
+attentions over disjoint key sets, each with its rows' log-sum-exp (`attention_ops.attention_with_lse`),
+combined exactly (`merge_attention`); the score then needs one matmul over the held keys and a max, never a
+probability matrix (`most_probability`).
 """
 
 from __future__ import annotations
@@ -13,59 +13,11 @@ import functools
 
 import torch
 
-_ELEMENTS_PER_BLOCK = 1 << 23  # a block's scores: 32 MiB of float32 (as `attention_ops`)
+from evalkit.attention_ops import attention_with_lse
+
 # A block of `most_probability`'s log-probabilities: 4 MiB of float32; timed on 2 cores against 2^19 to 2^23
 # (SmolLM2 at 2k: 0.043 s a layer against 0.051 to 0.049), and rows times keys against keys times rows (0.061).
 _MAX_ELEMENTS_PER_BLOCK = 1 << 20
-
-
-def attention_with_lse(q, k, v, scaling, allowed=None, causal=False):
-    """Attention of q [B, H_q, T, D] over k, v [B, H_kv, N, D] with each row's log-sum-exp: out [B, H_q, T, D],
-    lse [B, H_q, T] (natural log; -inf, with out 0, for a row that sees no key). `allowed`: bool
-    [B, H_kv or 1, T or 1, N], the keys each query may read (None: all); `causal`: query i reads keys 0..i
-    (T == N). On a CPU the flash kernel SDPA itself runs (given an additive mask: what SDPA makes of a bool
-    one); elsewhere `attention_with_lse_reference`."""
-    if q.device.type != "cpu":
-        return attention_with_lse_reference(q, k, v, scaling, allowed, causal)
-    mask = None
-    if allowed is not None:
-        mask = _per_query_head(torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf")),
-                               q.shape[1])
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                          scale=scaling)[:2]
-    if allowed is not None:  # the kernel gives a row that sees nothing lse 0; no key means -inf
-        lse = lse.masked_fill(_per_query_head(~allowed.any(-1), q.shape[1]), float("-inf"))
-    return out, lse
-
-
-def _per_query_head(x: torch.Tensor, H_q: int) -> torch.Tensor:
-    """x [B, H_kv or 1, ...] -> [B, H_q or 1, ...]: a KV head's entry for each of its query heads."""
-    return x.repeat_interleave(H_q // x.shape[1], dim=1) if x.shape[1] > 1 else x
-
-
-def attention_with_lse_reference(q, k, v, scaling, allowed=None, causal=False):
-    """`attention_with_lse` in plain torch: a softmax per query block, K and V never repeated."""
-    B, H_q, T, D = q.shape
-    H_kv, N = k.shape[1], k.shape[2]
-    G = H_q // H_kv
-    if causal:
-        allowed = torch.ones(T, N, dtype=torch.bool, device=q.device).tril()[None, None]
-    out = torch.zeros(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H_kv, G, T, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    q = q.view(B, H_kv, G, T, D)
-    block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
-    for start in range(0, T, block):
-        rows = slice(start, min(T, start + block))
-        t = rows.stop - rows.start
-        scores = torch.matmul(q[:, :, :, rows].reshape(B, H_kv, G * t, D), k.transpose(-1, -2))
-        scores = scores.view(B, H_kv, G, t, N).to(lse.dtype) * scaling
-        if allowed is not None:
-            seen = allowed[:, :, rows] if allowed.shape[2] > 1 else allowed
-            scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
-        lse[:, :, :, rows] = scores.logsumexp(-1)
-        probs = (scores - lse[:, :, :, rows, None]).exp().nan_to_num(0.0)  # a row that sees nothing: zeros
-        out[:, :, :, rows] = torch.matmul(probs.to(v.dtype).view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
-    return out.view(B, H_q, T, D), lse.view(B, H_q, T)
 
 
 def merge_attention(parts):
@@ -113,13 +65,14 @@ def reconstruction_attention(q, q_pos, q_valid, new_k, new_v, k, v, positions, s
     # The held slots in two parts, each gathered apart: the score's softmax reads the first alone.
     scored_slots, other_slots = _gathered(scored, k, v, positions), _gathered(held & ~scored, k, v, positions)
     # The new tokens among themselves: causal by position, padding unseen; a padding query sees them all (its
-    # row counts for nothing, but must not be blind: NaN would reach the next layer's keys).
-    causal = q_valid[:, None, None, :] & (q_pos[:, None, None, :] <= q_pos[:, None, :, None])  # [B, 1, T, T]
-    causal |= ~q_valid[:, None, :, None]
-    plain = bool(q_valid.all()) and not sliding_window  # then causal by index is causal by position
+    # row counts for nothing, but must not be blind: NaN would reach the next layer's keys). Unpadded and with
+    # no window, causal by index is causal by position: the kernel's own causal mask, none built.
+    plain = bool(q_valid.all()) and not sliding_window
+    causal = None if plain else (q_valid[:, None, None, :] & (q_pos[:, None, None, :] <= q_pos[:, None, :, None])
+                                 | ~q_valid[:, None, :, None])  # [B, 1, T, T]
     in_window = causal & (q_pos[:, None, None, :] > q_pos[:, None, :, None] - sliding_window) if sliding_window \
         else causal
-    new_part = attention_with_lse(q, new_k, new_v, scaling, None if plain else in_window, causal=plain)
+    new_part = attention_with_lse(q, new_k, new_v, scaling, in_window, causal=plain)
     scored_part, other_part = (None if slots is None else _held_attention(q, q_pos, slots, scaling, sliding_window)
                                for slots in (scored_slots, other_slots))
     out, _ = merge_attention([part for part in (scored_part, other_part, new_part) if part is not None])

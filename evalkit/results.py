@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 from importlib import metadata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -105,6 +106,28 @@ def _check_writable(folder: Path, named: Path, flag: str) -> None:
         os.unlink(name)
     except OSError as error:
         raise EvalkitError(f"{flag} {named} is not writable: {error.strerror or error}") from None
+
+
+@dataclass
+class Record:
+    """One sample's line of predictions.jsonl, whatever the task: what it kept, held and took, and its score."""
+
+    id: str
+    prompt_tokens: float
+    score: float
+    kept_tokens: float
+    bytes_held: float
+    bytes_ideal: float
+    bytes_full: float
+    new_tokens: int
+    attended_fraction: float
+    meta: dict
+    seconds: dict  # "prefill_seconds", "decode_seconds", ...: batch-wide, divided evenly over its samples
+    task: dict  # the task's own: a generation's prediction and references, a passage's losses
+
+    def as_dict(self) -> dict:
+        common = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("seconds", "task")}
+        return {**common, **self.task, **self.seconds}
 
 
 class FolderBusy(Exception):

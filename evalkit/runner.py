@@ -31,35 +31,13 @@ from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, 
                           score_rolling, share_prefill)
 from evalkit.models import load_model, max_positions
 from evalkit.prompt import encode, prompt_length
-from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
+from evalkit.results import Record, RunDir, check_writable_folder, complete_runs, package_versions
 from evalkit.tasks import Sample, Task
 from evalkit.tasks.custom import is_data_task, make_task
 from evalkit.tasks.ppl import Perplexity, perplexity_metrics
 from evalkit.uncertainty import score_interval
 
 _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
-
-
-@dataclass
-class Record:
-    """One sample's line of predictions.jsonl, whatever the task: what it kept, held and took, and its score."""
-
-    id: str
-    prompt_tokens: float
-    score: float
-    kept_tokens: float
-    bytes_held: float
-    bytes_ideal: float
-    bytes_full: float
-    new_tokens: int
-    attended_fraction: float
-    meta: dict
-    seconds: dict  # "prefill_seconds", "decode_seconds", ...: batch-wide, divided evenly over its samples
-    task: dict  # the task's own: a generation's prediction and references, a passage's losses
-
-    def as_dict(self) -> dict:
-        common = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("seconds", "task")}
-        return {**common, **self.task, **self.seconds}
 
 
 @dataclass

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from evalkit.reconstruction_ops import (attention_with_lse, attention_with_lse_reference, merge_attention,
-                                        reconstruction_attention)
+from evalkit.attention_ops import attention_with_lse, attention_with_lse_reference
+from evalkit.reconstruction_ops import merge_attention, reconstruction_attention
 
 
 @pytest.mark.parametrize("masked", ["none", "causal", "per key", "per query"])

@@ -88,8 +88,9 @@ class SharedPrefill:
         sized for what it keeps plus `after_prefill` [B], receives the kept tokens in their order, as
         compaction would have left them. The last logits."""
         valid, positions = self._positions(state)
-        stored = self._stored_with(state, after_prefill, valid, positions)
-        self._advance(state, valid, self._statistic(state))
+        key = self._statistic(state)
+        stored = self._stored_with(state, after_prefill, valid, positions, key)
+        self._advance(state, valid, key)
         chosen = slots_to_keep(state, stored.layers, caps)
         choices = [(layer.slot_index(), layer.gather(layer.pos, layer.slot_index()) >= 0) if c is None else c
                    for layer, c in zip(stored.layers, chosen)]
@@ -101,8 +102,8 @@ class SharedPrefill:
         return self.logits.clone()
 
     def _stored_with(self, state: LoopState, after_prefill: torch.Tensor, valid: torch.Tensor,
-                     positions: torch.Tensor) -> KVCache:
-        """The prompts as `fork_into` stores them in a new cache of `state`'s settings, with its statistic."""
+                     positions: torch.Tensor, key: tuple | None) -> KVCache:
+        """The prompts as `fork_into` stores them in a new cache of `state`'s settings, with statistic `key`."""
         settings = state.settings
         shape = (settings.layout, settings.block_size, settings.pool_pages, tuple(after_prefill.tolist()))
         if shape not in self._stored:
@@ -110,7 +111,6 @@ class SharedPrefill:
             slots = [layer.append(k, v, positions, valid) for layer, (k, v, _) in zip(cache.layers, self._kvs())]
             self._stored[shape] = (cache, slots, {})
         cache, slots, with_statistic = self._stored[shape]
-        key = self._statistic(state)
         if key is None:
             return cache
         if key not in with_statistic:  # the same K, V and tables; its own statistic

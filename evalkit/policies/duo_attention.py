@@ -11,7 +11,6 @@ from evalkit.policies.duo_calibration import CALIBRATION_TEXTS, CALIBRATION_TOKE
 from evalkit.policies.selection import Granularity
 
 
-
 @dataclass
 class DuoAttention(Policy):
     """Retrieval heads keep every token; streaming heads keep `sink_tokens` sinks and the `recent_tokens` most
