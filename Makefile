@@ -41,14 +41,14 @@ test-fast: setup
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench
 
-# The study's sweeps, in the order of docs/granularity.md's plan (every one finished: a run checks itself and
-# stops); each resumes where it stopped. `make -j2 study`: two at a time, one torch thread each
+# The study's sweeps, in the order of docs/granularity.md's plan (a finished one checks itself and stops);
+# each resumes where it stopped. `make -j2 study`: two at a time, one torch thread each
 # (on the busy 2-core machine one thread a process was 2.9x faster than two, docs/sweeps.md). study-X runs
 # configs/study/X.yaml (the sequel's grids), granularity-X configs/granularity/X.yaml (the 2,048-token ones).
 STUDY := study-lengths_query_aware granularity-query_aware granularity-query_agnostic \
          study-lengths_query_agnostic study-scorers_4k study-ruler_4k_baseline study-ruler_4k study-ruler_4k_unsolved \
          study-gemma3_4k_baseline study-gemma3_4k study-gemma3_4k_unsolved \
-         study-gemma3_8k_baseline study-gemma3_8k
+         study-gemma3_8k_baseline study-gemma3_8k study-frontier_2k_agnostic study-frontier_2k_aware
 
 study: $(STUDY)
 

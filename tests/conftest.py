@@ -188,10 +188,11 @@ _MODEL_TESTS = {
     "test_sweep": {
         "test_config_files_and_flags_make_the_same_grid": ALL_CASES,
         "test_data_options_reach_data_tasks_and_samples_the_registered_ones": ALL_CASES,
+        "test_a_grid_item_names_its_granularity_and_its_own_policy_args": ALL_CASES,
         # refused while its cells are checked, after the default model is resolved
         "test_bad_input_is_one_line_and_exit_2_before_any_cell": _messages(
             "unknown policy", "unknown task", "unknown layout", "unknown kernels", "is for data tasks",
-            "is not for data tasks"),
+            "is not for data tasks", "runs at granularity"),
     },
 }
 

@@ -42,6 +42,13 @@ def _config(tmp_path: Path, name: str, text: str) -> str:
     (["--budgets", "0.5,-0.2"], "out of range"),
     (["--budgets", "0.5,1.5"], "out of range"),
     (["--policies", ""], "--policies is empty: give a comma-separated list"),
+    (["--policies", "snapkv,,h2o_head"], "--policies has an empty item in 'snapkv,,h2o_head'"),
+    (["--policies", "kvzip_head:layerwise=true", "--policy-arg", "layerwise=false"],
+     "--policies item 'kvzip_head:layerwise=true' sets layerwise, which --policy-arg sets too: give it once"),
+    (["--policies", "duo_attention@head_page", "--granularity", "head"],
+     "--policies item 'duo_attention@head_page' names a granularity and --granularity head gives every policy"),
+    (["--policies", "h2o_token@head"], "h2o_token runs at granularity token"),
+    (["--policies", "kvzip_head:layerwise"], "policy-arg must be KEY=VALUE, got 'layerwise'"),
     (["--budgets", " , "], "--budgets is empty"),
     (["--tasks", ","], "--tasks is empty"),
     (["--length", "512,lots"], "--length takes whole numbers of tokens, got 'lots'"),
@@ -104,6 +111,35 @@ def test_config_files_and_flags_make_the_same_grid(monkeypatch, capsys, tmp_path
         assert planned("--config", _config(tmp_path, name, text), "--samples", "3") == expected, name
     assert planned("--config", str(tmp_path / "sweep.yaml")) != expected  # samples 5 from the file
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+def test_a_grid_item_names_its_granularity_and_its_own_policy_args(tmp_path):
+    """`name@granularity` and `name:KEY=VALUE` make the cells `evalkit run --granularity` and `--policy-arg` make,
+    beside the plain policy in the same grid (so in the same prefill group), each labelled as the grid wrote it."""
+    import typer
+
+    from evalkit.cli import app
+    from evalkit.config import RunConfig
+    from evalkit.sweep.plan import plan_sweep, prefill_groups, resolve_settings
+
+    command = typer.main.get_command(app).commands["sweep"]
+    policies = "kvzip_head,kvzip_head:layerwise=true,duo_attention@head_page,h2o_token"
+    ctx = command.make_context("sweep", ["--policies", policies, "--budgets", "0.2", "--tasks", "ruler:niah_single_2",
+                                         "--length", "512", "--policy-arg", "sink_tokens=2",
+                                         "--out", str(tmp_path / "runs")])
+    plan = plan_sweep(resolve_settings(ctx, None))
+    grid = [cell for cell in plan.cells if not cell.baseline]
+    assert [cell.policy for cell in grid] == ["kvzip_head", "kvzip_head:layerwise=true", "duo_attention@head_page",
+                                              "h2o_token"]
+    assert plan.settings["policies"] == [cell.policy for cell in grid]
+    own = dict(task="ruler:niah_single_2", length=512, budget=0.2, out=str(tmp_path / "runs"))
+    expected = [RunConfig(policy="kvzip_head", policy_args={"sink_tokens": "2"}, **own),
+                RunConfig(policy="kvzip_head", policy_args={"sink_tokens": "2", "layerwise": "true"}, **own),
+                RunConfig(policy="duo_attention", granularity="head_page", policy_args={"sink_tokens": "2"}, **own),
+                RunConfig(policy="h2o_token", policy_args={"sink_tokens": "2"}, **own)]
+    assert [cell.run_id for cell in grid] == [config.run_id() for config in expected]
+    assert len({cell.run_id for cell in grid}) == 4
+    assert [len(group) for group in prefill_groups(plan)] == [5]  # with the baseline: one prefill a sample
 
 
 def _write_kvpress(path: Path, records: int) -> None:

@@ -23,6 +23,7 @@ from evalkit.config import RunConfig, baseline_for, parse_policy_args, parse_tas
 from evalkit.errors import EvalkitError
 from evalkit.models import model_source
 from evalkit.policies import fraction_of, parse_budget
+from evalkit.policies.base import policy_label
 from evalkit.results import RunDir
 from evalkit.runner import prefill_key
 from evalkit.tasks.custom import is_data_task
@@ -37,13 +38,14 @@ class SweepCell:
 
     config: RunConfig
     baseline: bool
+    policy: str  # what the grid calls it: the policy's label and its own args (`kvzip_head:layerwise=true`)
 
     @property
     def run_id(self) -> str:
         return self.config.run_id()
 
     def label(self) -> str:
-        return f"{self.config.task} @ {self.config.length}: {self.config.policy} @ {self.config.budget}"
+        return f"{self.config.task} @ {self.config.length}: {self.policy} @ {self.config.budget}"
 
 
 @dataclass
@@ -131,9 +133,11 @@ def read_config_file(path: Path) -> dict:
 
 
 def _split(value, flag: str) -> list[str]:
-    items = [item.strip() for item in str(value).split(",") if item.strip()]
-    if not items:
+    items = [item.strip() for item in str(value).split(",")]
+    if not any(items):
         raise EvalkitError(f"--{flag} is empty: give a comma-separated list")
+    if not all(items):
+        raise EvalkitError(f"--{flag} has an empty item in {str(value)!r}: remove the extra comma")
     return items
 
 
@@ -156,6 +160,7 @@ def plan_sweep(settings: dict) -> SweepPlan:
     task_args, policy_args = parse_task_args(settings.pop("task_arg")), parse_policy_args(settings.pop("policy_arg"))
     base = {k: v for k, v in settings.items() if v is not None or k not in _UNSET_MEANS_DEFAULT}
     base["task_args"], base["policy_args"] = task_args, policy_args
+    variants = [policy_variant(item, base) for item in policies]
     model_source(base["model"])  # a missing local model is refused before the first cell
     _refuse_unused(base, tasks)
 
@@ -166,15 +171,43 @@ def plan_sweep(settings: dict) -> SweepPlan:
         for length in lengths:
             fields_here = {k: v for k, v in base.items() if k not in unused}
             baseline = RunConfig(**fields_here, task=task, length=length).full_cache()
-            grid = [RunConfig(**fields_here, policy=policy, budget=budget, task=task, length=length)
-                    for policy in policies for budget in budgets]
+            grid = [RunConfig(**{**fields_here, **variant}, budget=budget, task=task, length=length)
+                    for variant in variants for budget in budgets]
             for config, is_baseline in [(baseline, True)] + [(c, False) for c in grid]:
                 config.validate()
-                cells.setdefault(config.run_id(), SweepCell(config, is_baseline))
-    grid = [c.config for c in cells.values() if not c.baseline]
-    resolved = {"policies": list(dict.fromkeys(c.policy for c in grid)), "budgets": budgets,  # canonical names
+                label = "full" if is_baseline else _label(config, base["policy_args"])
+                cells.setdefault(config.run_id(), SweepCell(config, is_baseline, label))
+    grid = [c for c in cells.values() if not c.baseline]
+    resolved = {"policies": list(dict.fromkeys(c.policy for c in grid)), "budgets": budgets,  # canonical labels
                 "tasks": list(dict.fromkeys(c.config.task for c in cells.values())), "lengths": lengths, **base}
     return SweepPlan(list(cells.values()), resolved, base["out"], engine, ray_address)
+
+
+def policy_variant(item: str, base: dict) -> dict:
+    """A `--policies` item's RunConfig fields: `name`, `name@granularity` (`duo_attention@head_page`, as the
+    report labels it), and `:KEY=VALUE` policy args after either (`kvzip_head:layerwise=true`), which join the
+    sweep's own `--policy-arg`s. Said twice (the granularity, a key) is refused rather than one silently
+    winning."""
+    name, *args = item.split(":")
+    name, at, granularity = name.partition("@")
+    variant = {"policy": name.strip()}
+    if at:
+        if base.get("granularity") is not None:
+            raise EvalkitError(f"--policies item {item!r} names a granularity and --granularity "
+                               f"{base['granularity']} gives every policy one: give one of them")
+        variant["granularity"] = granularity.strip()
+    if args:
+        own = parse_policy_args(args)
+        twice = sorted(set(own) & set(base["policy_args"]))
+        if twice:
+            raise EvalkitError(f"--policies item {item!r} sets {twice[0]}, which --policy-arg sets too: give it once")
+        variant["policy_args"] = {**base["policy_args"], **own}
+    return variant
+
+
+def _label(config: RunConfig, sweep_args: dict) -> str:
+    own = {k: v for k, v in config.policy_args.items() if k not in sweep_args}
+    return policy_label(config.policy, config.granularity) + "".join(f":{k}={v}" for k, v in own.items())
 
 
 _DATA_OPTIONS = ("data_format", "metric", "limit", "offset")
@@ -223,7 +256,7 @@ def prefill_notes(plan: SweepPlan) -> dict[str, str]:
 
 def cell_summary(cell: SweepCell) -> dict:
     c = cell.config
-    return {"run_id": cell.run_id, "task": c.task, "length": c.length, "policy": c.policy, "budget": c.budget,
+    return {"run_id": cell.run_id, "task": c.task, "length": c.length, "policy": cell.policy, "budget": c.budget,
             "baseline": cell.baseline}
 
 
@@ -240,7 +273,7 @@ def sweep_rows(plan: SweepPlan) -> list[dict]:
         m, c = run_dir.metrics(), cell.config
         base = baseline_for(c.to_dict(), baselines)
         rows.append({
-            "run_id": cell.run_id, "task": c.task, "length": c.length, "policy": c.policy, "budget": c.budget,
+            "run_id": cell.run_id, "task": c.task, "length": c.length, "policy": cell.policy, "budget": c.budget,
             "budget_fraction": fraction_of(c.budget, m.get("prompt_tokens")), "score": m["score"],
             "full_cache_score": base["score"] if base else None,
             "relative_score": m["score"] / base["score"] if base and base["score"] else None,

@@ -33,7 +33,7 @@ def print_plan(plan: SweepPlan, console: Console, detect: float | None = None) -
     for cell in plan.cells:
         c = cell.config
         needed = [] if detect is None else [_samples_needed(plan, cell, detect / 100)]
-        table.add_row(cell.run_id, c.task, str(c.length), c.policy + (" (baseline)" if cell.baseline else ""),
+        table.add_row(cell.run_id, c.task, str(c.length), cell.policy + (" (baseline)" if cell.baseline else ""),
                       str(c.budget), notes[cell.run_id], _state(plan, cell), *needed)
     wide = Console(file=console.file, width=10_000)
     wide.width = max(console.width, wide.measure(table).maximum)  # run ids are long: never cut a line
