@@ -194,6 +194,18 @@ class RunDir:
         is skipped here and cut by `repair`."""
         return _unique(self._whole_records()[0])[0]
 
+    def finished_predictions(self) -> list[dict]:
+        """A complete run's predictions, as its finish left them: a torn last line or a repeated id means
+        the file changed since, and is refused rather than read around."""
+        records, whole_bytes = self._whole_records()
+        if self.predictions_path.exists() and self.predictions_path.stat().st_size != whole_bytes:
+            raise EvalkitError(f"{self.predictions_path} ends in a torn line: the run's records are incomplete")
+        unique, repeated = _unique(records)
+        if repeated:
+            raise EvalkitError(f"{self.predictions_path} repeats {repeated} sample id(s): the run's records are "
+                               "not one line a sample")
+        return unique
+
     def repair(self) -> int:
         """Before resuming, under the lock: cuts a torn last line and drops lines that repeat an id (the
         first is kept). Returns how many repeated lines were dropped."""

@@ -24,7 +24,10 @@ per-sample differences (`scipy.stats.ttest_1samp`), perplexity a paired percenti
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
@@ -79,15 +82,33 @@ class Comparison:
     def significant(self) -> bool:
         return self.p_value < ALPHA
 
+    @property
+    def interval_disagrees(self) -> bool:
+        """The interval (an approximation) excludes no difference where the test finds none, or the other way
+        round: at a few samples Newcombe's interval and the exact test can part. The test decides."""
+        return (self.ci_low > 0 or self.ci_high < 0) != self.significant
+
     def verdict(self, a: str = "A", b: str = "B") -> str:
+        caveat = "; the interval, an approximation, disagrees at this n: the test decides" \
+            if self.interval_disagrees else ""
         if self.significant:
             a_wins = (self.difference > 0) == self.higher_is_better
-            return f"{a if a_wins else b} better, p = {self.p_value:.3g}"
-        found = f"no difference detected at n = {self.n} (p = {self.p_value:.3g})"
+            return f"{a if a_wins else b} better, p = {self.p_value:.3g}{caveat}"
+        found = f"no difference detected at n = {self.n} (p = {self.p_value:.3g}){caveat}"
         if self.detect is None:
             return found
         need = f"; would need ≈ {self.needed} samples" if self.needed else ""
         return f"{found}{need} to detect a {self.detect * 100:g}-point difference"
+
+
+def in_id_order(records: list[dict]) -> list[dict]:
+    """The records sorted by id (as JSON, so any id sorts; numbers in it by value: s2 before s10): what is
+    computed from them, resamples included, is the same however a file's lines are ordered."""
+    def key(record):
+        parts = re.split(r"(\d+)", json.dumps(record["id"], sort_keys=True))
+        return [int(part) if i % 2 else part for i, part in enumerate(parts)]
+
+    return sorted(records, key=key)
 
 
 def is_binary(records: list[dict]) -> bool:
@@ -98,6 +119,7 @@ def score_interval(records: list[dict]) -> Interval:
     """The 95 % interval of the score `runner.aggregate` gives these records."""
     if not records:
         raise EvalkitError("no samples: a score needs at least one")
+    records = in_id_order(records)  # the bootstrap's resamples then do not depend on the file's line order
     n = len(records)
     if is_binary(records) and not _tasks(records) and not _is_perplexity(records):
         return Interval(n, *_wilson(sum(int(r["score"]) for r in records), n), "wilson")
@@ -109,6 +131,7 @@ def score_interval(records: list[dict]) -> Interval:
 def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Comparison:
     """Paired comparison of two runs' records on the same samples (matched by id); `detect`: the difference
     `needed` is worked out for (None: not worked out, as the report's many tests do not need it)."""
+    a = in_id_order(a)
     by_id = {r["id"]: r for r in b}
     if not a or {r["id"] for r in a} != set(by_id):
         only = len({r["id"] for r in a} ^ set(by_id))
@@ -122,7 +145,7 @@ def compare(a: list[dict], b: list[dict], detect: float | None = 0.10) -> Compar
         raise EvalkitError(f"sample {unscored[0]} has no finite score: a paired comparison needs every score")
     if len(a) < 2:
         raise EvalkitError("1 sample: a paired comparison needs at least two")
-    difference = _score(a) - _score(b)
+    difference = score_of(a) - score_of(b)
     scores_a, scores_b = _per_sample(a), _per_sample(b)
     only_a, only_b = int((scores_a > scores_b).sum()), int((scores_a < scores_b).sum())
     perplexity = _is_perplexity(a)
@@ -203,21 +226,35 @@ def samples_needed(detect: float, discordance: float | None = None, difference_s
         return int(np.ceil((z * difference_sd / detect) ** 2))
     discordance = max(discordance or DEFAULT_DISCORDANCE, detect)
     toward_a = (discordance + detect) / (2 * discordance)  # of the disagreements, the share A wins
-    n = 1
-    while _mcnemar_power(n, discordance, toward_a) < POWER:
-        n = n + max(1, n // 64)
-    return n
+    # Every n in turn, so the first that reaches the power is the smallest (an exact test's power need not
+    # rise with every sample): P(m disagreements | n) is carried from n - 1 to n, the power given m worked out
+    # once per m.
+    disagreements = np.array([1.0])  # P(m disagreements among n = 0 samples), m = 0..n
+    reject = _mcnemar_rejection(np.arange(64), toward_a)
+    for n in itertools.count(1):
+        before, disagreements = disagreements, np.zeros(n + 1)
+        disagreements[:-1] += before * (1 - discordance)  # the n-th pair agrees
+        disagreements[1:] += before * discordance  # or disagrees
+        if n >= len(reject):
+            reject = np.r_[reject, _mcnemar_rejection(np.arange(len(reject), 2 * len(reject)), toward_a)]
+        if disagreements @ reject[: n + 1] >= POWER:
+            return n
 
 
-def _mcnemar_power(n: int, discordance: float, toward_a: float) -> float:
-    disagreements = np.arange(n + 1)
+def _mcnemar_rejection(disagreements: np.ndarray, toward_a: float) -> np.ndarray:
+    """P(the exact two-sided McNemar test rejects at ALPHA | m disagreements, each A's with P `toward_a`), per m."""
     # The largest count c with a two-sided exact p-value 2 * P(X <= c | m, 1/2) <= ALPHA; -1 where none.
     critical = stats.binom.ppf(ALPHA / 2, disagreements, 0.5).astype(int)
     critical = np.where(2 * stats.binom.cdf(critical, disagreements, 0.5) <= ALPHA, critical, critical - 1)
     reject = stats.binom.cdf(critical, disagreements, toward_a) + \
         stats.binom.sf(disagreements - critical - 1, disagreements, toward_a)
-    reject = np.where(critical >= 0, reject, 0.0)
-    return float((stats.binom.pmf(disagreements, n, discordance) * reject).sum())
+    return np.where(critical >= 0, reject, 0.0)
+
+
+def _mcnemar_power(n: int, discordance: float, toward_a: float) -> float:
+    """The exact McNemar test's power on n pairs (`samples_needed`'s, at one n)."""
+    disagreements = np.arange(n + 1)
+    return float(stats.binom.pmf(disagreements, n, discordance) @ _mcnemar_rejection(disagreements, toward_a))
 
 
 def _float(value) -> float | None:
@@ -237,7 +274,7 @@ def _per_sample(records: list[dict]) -> np.ndarray:
     return np.array([float(r["score"]) for r in records])
 
 
-def _score(records: list[dict]) -> float:
+def score_of(records: list[dict]) -> float:
     """The score `runner.aggregate` (perplexity: `perplexity_metrics`) gives these records."""
     if _is_perplexity(records):
         return float(np.exp(sum(r["nll"] for r in records) / sum(r["scored_tokens"] for r in records)))
@@ -282,7 +319,7 @@ def _permutation_p(a: list[dict], b: list[dict]) -> float:
         def distance(of_a, of_b, axis=-1):
             return np.abs(np.exp(nll[of_a].sum(axis) / tokens[of_a].sum(axis))
                           - np.exp(nll[of_b].sum(axis) / tokens[of_b].sum(axis)))
-        data, tie = (np.arange(n), np.arange(n, 2 * n)), _TIE * max(_score(a), _score(b))
+        data, tie = (np.arange(n), np.arange(n, 2 * n)), _TIE * max(score_of(a), score_of(b))
     else:
         terms = _weights(a) * (_per_sample(a) - _per_sample(b))
         steps = _on_one_step(terms)

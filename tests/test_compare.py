@@ -26,6 +26,18 @@ def write_run(root, run_id, scores, complete=True, ids=None, **config):
     return folder
 
 
+def edited(folder, **metrics):
+    """A run whose metrics.json was changed after the run."""
+    path = folder / "metrics.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **metrics}))
+
+
+def torn(folder):
+    """A run whose predictions.jsonl gained half a line after the run."""
+    with open(folder / "predictions.jsonl", "a") as file:
+        file.write('{"id": "s0"')
+
+
 A = [1] * 16 + [0] * 4  # 80 %
 B = [1] * 2 + [0] * 18  # 10 %: A passes 14 samples B fails, B none that A fails
 
@@ -86,6 +98,19 @@ def test_a_difference_too_small_to_see_says_how_many_samples_would_do(tmp_path, 
     (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
                 write_run(r, "b", A, complete=False, policy="h2o_head", budget=0.2)),
      ["a", "b"], "run b is not complete (20 samples recorded)"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                edited(write_run(r, "b", B, policy="h2o_head", budget=0.5), score=0.5)),
+     ["a", "b"], "run b: metrics.json's score 0.5 is not its predictions' 0.1: the files disagree"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                torn(write_run(r, "b", B, policy="h2o_head", budget=0.5))),
+     ["a", "b"], "predictions.jsonl ends in a torn line: the run's records are incomplete"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                write_run(r, "b", [1] + B, ids=["s0"] + [f"s{i}" for i in range(20)], policy="h2o_head",
+                          budget=0.5)),
+     ["a", "b"], "predictions.jsonl repeats 1 sample id(s)"),
+    (lambda r: (write_run(r, "a", A, policy="h2o_head", budget=0.2),
+                edited(write_run(r, "b", B, policy="h2o_head", budget=0.5), samples=25)),
+     ["a", "b"], "run b: metrics.json counts 25 samples and predictions.jsonl holds 20: the files disagree"),
     (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a", "missing"], "no run 'missing'"),
     (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a", "--baseline"], "no full-cache baseline"),
     (lambda r: write_run(r, "a", A, policy="h2o_head", budget=0.2), ["a"], "give two runs, or one run and"),

@@ -13,7 +13,7 @@ from evalkit.errors import EvalkitError
 from evalkit.runner import aggregate
 from evalkit.tasks.ppl import perplexity_metrics
 from evalkit import uncertainty
-from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _on_one_step, _score, compare,
+from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _on_one_step, compare, score_of,
                                  samples_needed, score_interval)
 
 
@@ -42,6 +42,20 @@ def test_other_scores_get_scipys_percentile_bootstrap_near_the_t_interval():
     assert interval.ci_low == pytest.approx(low, abs=0.005) and interval.ci_high == pytest.approx(high, abs=0.005)
 
 
+def test_intervals_and_paired_tests_do_not_depend_on_the_order_of_the_lines():
+    rng = np.random.default_rng(2)
+    shares = binary(rng.integers(0, 5, 30) / 4)
+    other = binary(rng.integers(0, 5, 30) / 4)
+    passages = [{"id": f"p{i}", "score": 0.0, "nll": float(rng.uniform(20, 60)), "scored_tokens": int(10 + i),
+                 "buckets": [], "meta": {"text": "t"}} for i in range(12)]
+    shorter = [{**p, "nll": p["nll"] * 0.9} for p in passages]
+    for a, b in [(shares, other), (passages, shorter)]:
+        shuffled = [a[i] for i in rng.permutation(len(a))]
+        assert score_interval(shuffled) == score_interval(a)
+        assert compare(shuffled, b) == compare(a, b)
+        assert compare(b, shuffled) == compare(b, a)
+
+
 def test_one_sample_of_a_continuous_score_has_no_interval_and_none_has_no_score():
     interval = score_interval(binary([0.5]))
     assert interval.n == 1 and interval.ci_low is None and interval.ci_high is None
@@ -51,14 +65,14 @@ def test_one_sample_of_a_continuous_score_has_no_interval_and_none_has_no_score(
 
 def test_the_bootstrap_resamples_the_score_the_run_reports():
     group = binary([1, 0, 1, 1, 0, 0.5, 1, 0, 1], task=list("aabbbcccc"))
-    assert _score(group) == pytest.approx(aggregate(fill(group))["score"])
+    assert score_of(group) == pytest.approx(aggregate(fill(group))["score"])
     interval = score_interval(group)
-    assert interval.ci_method == "bootstrap" and interval.ci_low < _score(group) < interval.ci_high
+    assert interval.ci_method == "bootstrap" and interval.ci_low < score_of(group) < interval.ci_high
     passages = [{"id": i, "score": 0.0, "nll": 30.0 + 5 * i, "scored_tokens": 10 + i, "buckets": [],
                  "meta": {"text": "t"}} for i in range(6)]
-    assert _score(passages) == pytest.approx(perplexity_metrics(passages)["score"])
+    assert score_of(passages) == pytest.approx(perplexity_metrics(passages)["score"])
     interval = score_interval(passages)
-    assert interval.ci_low < _score(passages) < interval.ci_high
+    assert interval.ci_low < score_of(passages) < interval.ci_high
 
 
 def fill(records):
@@ -266,11 +280,22 @@ def test_the_verdict_says_what_was_found_and_what_it_would_take():
     assert result.verdict() == (f"no difference detected at n = 20 (p = {result.p_value:.3g}); would need "
                                 f"≈ {result.needed} samples to detect a 10-point difference")
     assert compare(binary([1] * 12 + [0] * 8), binary([0] * 20)).verdict() == "A better, p = 0.000488"
+    # Two samples, both lost: Newcombe's interval excludes 0, the exact test cannot reject; the verdict says which
+    tiny = compare(binary([0, 0]), binary([1, 1]), detect=None)
+    assert tiny.ci_high < 0 and not tiny.significant and tiny.interval_disagrees
+    assert tiny.verdict() == ("no difference detected at n = 2 (p = 0.5); the interval, an approximation, "
+                              "disagrees at this n: the test decides")
+    assert not compare(binary([1] * 12 + [0] * 8), binary([0] * 20)).interval_disagrees
 
 
 def test_samples_needed_gives_the_exact_mcnemar_test_its_power():
     n = samples_needed(0.10, discordance=0.3)
-    assert _mcnemar_power(n, 0.3, (0.3 + 0.1) / 0.6) >= 0.8 > _mcnemar_power(n - 2, 0.3, (0.3 + 0.1) / 0.6)
+    assert _mcnemar_power(n, 0.3, (0.3 + 0.1) / 0.6) >= 0.8
+    # The smallest such n: no fewer samples reach the power (a search by steps of n // 64 overshot by up to 8).
+    for detect, discordance in [(0.10, 0.3), (0.20, 0.5), (0.05, 0.1), (0.15, 0.15)]:
+        needed, toward_a = samples_needed(detect, discordance), (discordance + detect) / (2 * discordance)
+        powers = [_mcnemar_power(k, discordance, toward_a) for k in range(1, needed + 1)]
+        assert powers[-1] >= 0.8 > max(powers[:-1]), (detect, discordance)
     # A simulation agrees: pairs drawn at that disagreement, tested with scipy's exact binomial test.
     rng = np.random.default_rng(3)
     disagreements = rng.binomial(n, 0.3, 1000)

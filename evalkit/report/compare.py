@@ -7,6 +7,7 @@ baseline (`config.baseline_for`) from the same results folder. The command line 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from rich.markup import escape
 from evalkit.config import baseline_for
 from evalkit.errors import EvalkitError
 from evalkit.results import RunDir, complete_runs, read_json
-from evalkit.uncertainty import compare, score_interval
+from evalkit.uncertainty import compare, score_interval, score_of
 
 # What two runs must share to be compared sample by sample.
 _SAME = ("task", "task_args", "length", "model", "seed", "data_sha256")
@@ -50,7 +51,7 @@ def compare_runs(a: str, b: str | None, baseline: bool, runs: Path, detect: floa
                       f"n = {interval.n}")
     console.print(f"A − B: {_points(result.difference, percent, signed=True)} "
                   f"[{_points(result.ci_low, percent, signed=True)}, {_points(result.ci_high, percent, signed=True)}]"
-                  f" ({result.interval}); {result.test} p = {result.p_value:.3g}; only A better on {result.only_a}, "
+                  f" ({result.interval}); {result.test} p = {result.p_value:.3g} (unadjusted); only A better on {result.only_a}, "
                   f"only B on {result.only_b} of {result.n} samples")
     console.print(result.verdict())
 
@@ -66,13 +67,28 @@ def _run(name: str, runs: Path) -> dict:
 
 
 def _loaded(run_dir: RunDir) -> dict:
-    records = run_dir.predictions()
+    records = run_dir.finished_predictions()
     if not records:
         raise EvalkitError(f"run {run_dir.path.name} has no samples")
     if not all(isinstance(r.get("score"), (int, float)) for r in records):
         raise EvalkitError(f"run {run_dir.path.name} has no per-sample scores to compare")
+    metrics = run_dir.metrics()
+    _check_agreement(run_dir.path.name, metrics, records)
     return {"id": run_dir.path.name, "folder": str(run_dir.path), "config": read_json(run_dir.config_path)["config"],
-            "score": run_dir.metrics()["score"], "records": records}
+            "score": metrics["score"], "records": records}
+
+
+def _check_agreement(name: str, metrics: dict, records: list[dict]) -> None:
+    """The score printed (metrics.json) and the n, interval and test (predictions.jsonl) come from two files:
+    they must say the same, or one was changed after the run."""
+    n = metrics.get("n", metrics.get("samples"))
+    if n != len(records):
+        raise EvalkitError(f"run {name}: metrics.json counts {n} samples and predictions.jsonl holds "
+                           f"{len(records)}: the files disagree")
+    recorded, recomputed = metrics.get("score"), score_of(records)
+    if not isinstance(recorded, (int, float)) or not math.isclose(recorded, recomputed, rel_tol=1e-9, abs_tol=1e-12):
+        raise EvalkitError(f"run {name}: metrics.json's score {recorded} is not its predictions' "
+                           f"{recomputed:.6g}: the files disagree")
 
 
 def _baseline_of(run: dict) -> dict:
