@@ -6,6 +6,7 @@ matplotlib: seconds) when it runs, so `evalkit --help` and the listings never wa
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Optional
 
@@ -27,8 +28,10 @@ err = Console(stderr=True)
 
 def _error(message: str) -> None:
     """One line on stderr: the message as given (a Text: never read as markup or emoji codes, so user text such
-    as `hf:a:b:c` or `[client]` is printed as it is)."""
-    err.print(Text.assemble(("error:", "bold red"), " ", str(message)), highlight=False, soft_wrap=True)
+    as `hf:a:b:c` or `[client]` is printed as it is), control characters escaped (a newline in a path stays
+    `\\n`: the line stays one)."""
+    one_line = re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], str(message))
+    err.print(Text.assemble(("error:", "bold red"), " ", one_line), highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -184,10 +187,16 @@ def policies():
             labels.append(f"  --granularity: any{' but ' + refused if refused else ''} ({policy.granularity})")
         short = {field: key for key, field in policy.arg_aliases.items()}
         args = ", ".join(f"{short.get(field, field)}={getattr(policy, field)}" for field in policy_args(policy))
-        differs = "; ".join([policy.differs] * bool(policy.differs) + list(policy.cannot_run_at.values())) or "-"
         table.add_row("\n".join(labels), policy.saves if active else "-", policy.description,
-                      policy.kvpress or "-", differs, args if active else "-", policy.paper)
+                      policy.kvpress or "-", differs_from_the_paper(policy), args if active else "-", policy.paper)
     _wide().print(table)
+
+
+def differs_from_the_paper(policy) -> str:
+    """`evalkit policies`' column: what the policy does differently, then why it refuses the granularities it
+    refuses (a reason given for several of them, once)."""
+    reasons = list(dict.fromkeys(policy.cannot_run_at.values()))
+    return "; ".join([policy.differs] * bool(policy.differs) + reasons) or "-"
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

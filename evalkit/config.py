@@ -47,6 +47,9 @@ def _key_values(items: list[str], flag: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise EvalkitError(f"{flag} must be KEY=VALUE, got {item!r}")
+        if key.strip() in args:
+            raise EvalkitError(f"{flag} {key.strip()} is given twice ({args[key.strip()]} and {value.strip()}): "
+                               "give it once")
         args[key.strip()] = value.strip()
     return args
 
@@ -145,7 +148,7 @@ class RunConfig:
     def _check_budget(self) -> None:
         policy = self.make_policy()  # the granularity and policy args checked here
         refuse_contradiction(self.policy, self.granularity)
-        policy.check_fits(self.length)
+        policy.check_fits(self.length, window(self.model))
         policy.check_budget(self.budget, self.block_size, self.length)
 
     def make_policy(self):

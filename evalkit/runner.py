@@ -180,7 +180,8 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
     resumed_from = [len(ongoing.done) for ongoing in runs]
     total = len(evaluation.samples) * len(runs)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TimeRemainingColumn(), console=console, transient=True)
+                        TimeRemainingColumn(), console=console, transient=True,
+                        disable=not console.is_terminal)  # transient: off a terminal it would leave only a blank line
     label = f"{first.policy} @ {first.budget}" if len(runs) == 1 else f"{len(runs)} runs, one prefill per sample"
     with progress:
         bar = progress.add_task(label, total=total, completed=sum(len(r.done) for r in runs))

@@ -1,6 +1,7 @@
 """The command line: bad input is one line and exit code 2 with nothing written; a real run on the default model."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,16 @@ def test_listings_name_every_policy_and_task(monkeypatch, capsys):
     assert "bandwidth" in out and "memory" in out and "arXiv:2404.14469" in out
     code, out, _ = evalkit(monkeypatch, capsys, "tasks")
     assert code == 0 and all(name in out for name in TASKS.names())
+
+
+def test_no_policy_says_a_sentence_twice_in_what_differs_from_its_paper():
+    from evalkit.cli import differs_from_the_paper
+    from evalkit.policies import POLICIES
+
+    for name in POLICIES.names():
+        sentences = [s.strip() for s in re.split(r"[;.] ", differs_from_the_paper(POLICIES.create(name)))]
+        assert len(sentences) == len(set(sentences)), name
+    assert differs_from_the_paper(POLICIES.create("duo_attention")).count("its own role") == 1
 
 
 def test_end_to_end_on_the_default_model(monkeypatch, capsys, tmp_path):

@@ -399,6 +399,28 @@ BAD_INPUT = [
     (["report", "{tmp}/runs", "-o", "{file}"], "-o {file} is a file, not a folder"),
     (["report", "{tmp}/runs", "-o", ""], "-o is empty: give a folder"),  # was: the report in the current folder
     (["run", "--task", "hf:a:b:c:d"], "hf:a:b:c:d"),  # user text printed as given: `:b:` is no emoji code
+    # Issue #53's probe: what still slipped through.
+    (["run", "--task", "jsonl:{tmp}/a\nb.jsonl"], "no data file '{tmp}/a\\nb.jsonl'"),  # one line still
+    (["run", "--policy", "expected_attention_head", "--policy-arg", "n_sink=4", "--policy-arg", "sink_tokens=8"],
+     "expected_attention_head: policy-args n_sink and sink_tokens both set sink_tokens (one is the other's alias)"),
+    (["run", "--policy", "expected_attention_head", "--policy-arg", "n_future=4", "--policy-arg", "n_future=8"],
+     "policy-arg n_future is given twice (4 and 8): give it once"),
+    (["run", "--policy", "expected_attention_head", "--policy-arg", "n_future_positions=0"],
+     "policy-arg n_future_positions must be in [1, "),  # the name typed, not the field's
+    (["run", "--policy", "kvzip", "--policy-arg", "chunk_size=0"], "policy-arg chunk_size must be in [1, "),
+    (["run", "--policy", "duo_attention", "--policy-arg", "sink_size=100000000"],
+     "nothing to evict; lower policy-arg sink_size / recent_size: the model has 8192 positions"),
+    (["sweep", "--config", "{tmp}/bomb.yaml", "--dry-run"],
+     "bomb.yaml: YAML alias *a on line 2: a config takes no aliases; write the values out"),
+    (["sweep", "--config", "{tmp}/twice.yaml", "--dry-run"], "twice.yaml: key 'policies' is given twice"),
+    (["sweep", "--config", "{tmp}/twice.json", "--dry-run"], "twice.json: key 'samples' is given twice"),
+    (["sweep", "--config", "{tmp}/latin1.yaml", "--dry-run"], "latin1.yaml is not UTF-8 text (byte 0xe9 at offset 32)"),
+    (["sweep", "--config", "{tmp}/noise.toml", "--dry-run"], "noise.toml is not UTF-8 text (byte 0x80 at offset 0)"),
+    (["sweep", "--policies", ",".join(["h2o_head", "snapkv", "tova", "knorm", "keydiff", "lagkv", "kvzip", "random",
+                                       "streaming_llm", "expected_attention"]),
+      "--budgets", ",".join(str(i / 1000) for i in range(1, 501)), "--length", ",".join(str(600 + i) for i in range(100)),
+      "--dry-run"], "the grid has 500,100 cells (with each task and length's full cache), more than 10,000"),
+    (["sweep", "--policies", "snapkv,,h2o_head", "--dry-run"], "--policies has an empty item"),
 ]
 
 
@@ -432,6 +454,14 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(refuse_models, 
                                                                   capsys, tmp_path, argv, message):
     (tmp_path / "file.txt").write_text("a regular file where a folder is expected")
     (tmp_path / "args.yaml").write_text("policy_args:\n  window: x\n")
+    # 347 bytes that expanded to 21 GB: nine of nine of ... eight levels of aliases
+    (tmp_path / "bomb.yaml").write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{name}: &{name} [{', '.join([f'*{alias}'] * 9)}]\n" for alias, name in zip("abcdefg", "bcdefgh")) +
+        "policies: [*h, *h, *h, *h, *h, *h, *h, *h, *h]\n")
+    (tmp_path / "twice.yaml").write_text("policies: [h2o_head]\nbudgets: [0.2]\npolicies: [snapkv]\n")
+    (tmp_path / "twice.json").write_text('{"samples": 3, "samples": 4}')
+    (tmp_path / "latin1.yaml").write_bytes("policies: [h2o_head]\ntasks: [café]\n".encode("latin-1"))
+    (tmp_path / "noise.toml").write_bytes(bytes(range(128, 256)))
     (tmp_path / "niah-run").mkdir()
     (tmp_path / "niah-run" / "config.json").write_text(json.dumps({"config": {"policy": "full", "budget": 1.0}}))
     (tmp_path / "niah-run" / "predictions.jsonl").write_text(
@@ -544,7 +574,7 @@ def test_a_full_disk_is_one_line_and_exit_1_and_the_run_resumes(tiny_model_dir, 
         full_disk(patched, name, good_writes)
         code, _, err = evalkit(monkeypatch, capsys, *args)
     target = name.removesuffix(".tmp")
-    (line,) = err.strip().splitlines()
+    (line,) = err.splitlines()  # one line: no blank one left by the progress bar before it
     assert code == 1 and line.startswith(f"error: no space left on the device of {folder}: writing {target} (") \
         and line.endswith(" bytes) failed; free some space and run the same command again, it resumes"), err
     assert not list(tmp_path.rglob("*.tmp"))

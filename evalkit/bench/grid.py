@@ -64,7 +64,7 @@ def measure(settings: BenchSettings, grid: BenchGrid, with_components: bool, out
     err.print(f"{len(cells)} cells ({len(cells) - len(todo)} already measured in {json_path}), "
               f"{0 if reuse_components else len(points)} component points")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=err, transient=True)
+                        console=err, transient=True, disable=not err.is_terminal)  # as runner.py's
     preload = tuple(m for m in ("transformers.generation.utils", isolation.model_module(grid.model_config)) if m)
     with isolation.Isolated(preload) as isolated, progress:
         bar = progress.add_task("bench", total=len(cells) + (0 if reuse_components else len(points)))

@@ -143,9 +143,9 @@ class Policy:
                 shown = f"in [{low}, --length]" if high == PROMPT else f"in [{low}, {high}]"
                 raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} must be {shown}, got {value}")
 
-    def check_fits(self, length: int) -> None:
+    def check_fits(self, length: int, positions: int | None = None) -> None:
         """Refuse a token-count hyper-parameter larger than a `length`-token prompt (a window of a billion
-        tokens would pool over a billion positions while decoding)."""
+        tokens would pool over a billion positions while decoding); `positions`: the model's, where known."""
         for name, (low, high) in _ranges(self).items():
             if high == PROMPT and getattr(self, name) > length:
                 raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} {getattr(self, name)} is more "
@@ -207,6 +207,7 @@ def make_policy(name: str, granularity: str | None = None, args: dict[str, str] 
         policy.granularity = Granularity(granularity)
     if args:
         policy = dataclasses.replace(policy, **_parse_args(policy, args))
+        policy.spelled_args = {policy.arg_aliases.get(key, key): key for key in args}  # for messages: as typed
     policy.check()
     return policy
 
@@ -253,19 +254,25 @@ def _ranges(policy: Policy) -> dict[str, tuple]:
 
 
 def _arg_name(policy: Policy, name: str) -> str:
-    """The name `--policy-arg` knows a field by: its short alias when it has one."""
-    return next((alias for alias, field_name in policy.arg_aliases.items() if field_name == name), name)
+    """The name `--policy-arg` knows a field by: as the user spelled it (`make_policy` notes it), else its short
+    alias when it has one."""
+    spelled = getattr(policy, "spelled_args", {})
+    return spelled.get(name) or next((alias for alias, field_name in policy.arg_aliases.items()
+                                      if field_name == name), name)
 
 
 def _parse_args(policy: Policy, args: dict[str, str]) -> dict:
     known = policy_args(policy)
-    parsed = {}
+    parsed, spelled = {}, {}
     for key, text in args.items():
         name = policy.arg_aliases.get(key, key)
         if name not in known:
             names = sorted([*known, *policy.arg_aliases])
             raise EvalkitError(f"{policy.name} has no policy-arg {key!r}; it takes: {', '.join(names)}")
-        parsed[name] = _parse_value(policy, key, name, str(text).strip(), known[name])
+        if name in spelled:
+            raise EvalkitError(f"{policy.name}: policy-args {spelled[name]} and {key} both set {name} (one is the "
+                               "other's alias): give one")
+        parsed[name], spelled[name] = _parse_value(policy, key, name, str(text).strip(), known[name]), key
     return parsed
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import PROMPT, POLICIES, Policy, ScoreInput, arg
+from evalkit.policies.base import PROMPT, POLICIES, Policy, ScoreInput, _arg_name, arg
 from evalkit.policies.duo_calibration import CALIBRATION_TEXTS, CALIBRATION_TOKENS, calibrated_head_scores
 from evalkit.policies.selection import Granularity
 
@@ -48,8 +48,9 @@ class DuoAttention(Policy):
     arg_aliases = {"sink_size": "sink_tokens", "recent_size": "recent_tokens"}
     not_static = "DuoAttention keeps each head's role's window by its own rule, not `keep_mask`"
     cannot_run_at = {
-        Granularity.TOKEN: "DuoAttention gives each KV head its own role; one token set for all heads would undo it",
-        Granularity.PAGE: "DuoAttention gives each KV head its own role; pages shared by all heads would undo it",
+        granularity: "DuoAttention gives each KV head its own role (retrieval or streaming), which tokens or pages "
+                     "shared by all heads would undo"
+        for granularity in (Granularity.TOKEN, Granularity.PAGE)
     }
     head_scores: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # [L, H_kv]
     streaming: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)  # [B, L, H_kv]
@@ -61,13 +62,15 @@ class DuoAttention(Policy):
             raise EvalkitError(f"{self.name}: policy-args recent_fraction and observation_window do not apply: "
                                "streaming heads keep sink_size + recent_size tokens")
 
-    def check_fits(self, length: int) -> None:
+    def check_fits(self, length: int, positions: int | None = None) -> None:
         window = self.sink_tokens + self.recent_tokens
         if length <= window:
+            args = f"policy-arg {_arg_name(self, 'sink_tokens')} / {_arg_name(self, 'recent_tokens')}"
+            way = f"raise --length above {window} or lower {args}" if positions is None or window < positions \
+                else f"lower {args}: the model has {positions} positions"
             raise EvalkitError(f"{self.name}: its streaming heads keep {self.sink_tokens} sinks + {self.recent_tokens} "
-                               f"recent tokens, a whole --length {length} prompt: nothing to evict; raise --length "
-                               f"above {window} or lower policy-arg sink_size / recent_size")
-        super().check_fits(length)
+                               f"recent tokens, a whole --length {length} prompt: nothing to evict; {way}")
+        super().check_fits(length, positions)
 
     def prepare(self, model, tokenizer=None) -> None:
         if self.prepared_for is None or self.prepared_for() is not model:  # a run's batches share its model

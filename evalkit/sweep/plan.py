@@ -30,6 +30,10 @@ from evalkit.tasks.custom import is_data_task
 from evalkit.tasks.ppl import Perplexity
 
 ENGINES = ("local", "ray")
+# A plan is checked cell by cell before anything runs (a few ms a cell): past this many, a typo in a list of
+# lengths or budgets would keep `--dry-run` busy for minutes before it printed anything. The study's largest
+# grid has 128.
+MAX_CELLS = 10_000
 
 
 @dataclass
@@ -106,30 +110,63 @@ def resolve_settings(ctx: typer.Context, config_file: Path | None) -> dict:
 def read_config_file(path: Path) -> dict:
     """A mapping from a .yaml/.yml, .toml or .json file; anything unreadable is one clear error."""
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as error:
         raise EvalkitError(f"cannot read config file {path}: {error.strerror or error}") from None
-    suffix = Path(path).suffix.lower()
     try:
-        if suffix in (".yaml", ".yml"):
-            import yaml  # not a declared dependency (transformers brings it): imported for a YAML file only
-
-            data = yaml.safe_load(text)
-        elif suffix == ".toml":
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise EvalkitError(f"config file {path} is not UTF-8 text (byte {raw[error.start]:#04x} at offset "
+                           f"{error.start})") from None
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml", ".json"):
+        raise EvalkitError(f"config file {path}: unknown format {suffix or '(no suffix)'!r}; "
+                           "use .yaml, .yml, .toml or .json")
+    try:
+        if suffix == ".toml":  # TOML refuses a repeated key itself, and has no aliases
             data = tomllib.loads(text)
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_no_repeated_keys)
         else:
-            raise EvalkitError(f"config file {path}: unknown format {suffix or '(no suffix)'!r}; "
-                               "use .yaml, .yml, .toml or .json")
-    except EvalkitError:
-        raise
+            data = _load_yaml(text)
+    except EvalkitError as error:
+        raise EvalkitError(f"config file {path}: {error}") from None
     except Exception as error:  # each parser has its own error type; all mean "not valid <format>"
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise EvalkitError(f"cannot parse config file {path}: {reason}") from None
     if not isinstance(data, dict):
         raise EvalkitError(f"config file {path} must hold a mapping of option names to values")
     return data
+
+
+def _no_repeated_keys(pairs: list[tuple]) -> dict:
+    """A mapping in which no key is said twice (the parsers' own default: the last one silently wins)."""
+    keys = [key for key, _ in pairs]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise EvalkitError(f"key {twice!r} is given twice")
+    return dict(pairs)
+
+
+def _load_yaml(text: str):
+    """safe_load without aliases (`*name`): a config needs none, and a few hundred bytes of nested aliases
+    expand to billions of items (the "billion laughs"); nor repeated keys."""
+    import yaml  # not a declared dependency (transformers brings it): imported for a YAML file only
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                alias = self.peek_event()
+                raise EvalkitError(f"YAML alias *{alias.anchor} on line {alias.start_mark.line + 1}: a config takes "
+                                   "no aliases; write the values out")
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):
+            self.flatten_mapping(node)
+            return _no_repeated_keys([(self.construct_object(key, deep=deep), self.construct_object(value, deep=deep))
+                                      for key, value in node.value])
+
+    return yaml.load(text, Loader=Loader)  # noqa: S506 (a SafeLoader)
 
 
 def _split(value, flag: str) -> list[str]:
@@ -154,6 +191,10 @@ def plan_sweep(settings: dict) -> SweepPlan:
         if not item.isdigit():
             raise EvalkitError(f"--length takes whole numbers of tokens, got {item!r}")
         lengths.append(int(item))
+    planned = len(tasks) * len(lengths) * (len(policies) * len(budgets) + 1)
+    if planned > MAX_CELLS:
+        raise EvalkitError(f"the grid has {planned:,} cells (with each task and length's full cache), more than "
+                           f"{MAX_CELLS:,}: split it into several sweeps")
     engine, ray_address = settings.pop("engine"), settings.pop("ray_address")
     if engine not in ENGINES:
         raise EvalkitError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")

@@ -30,6 +30,11 @@ class Sample:
 PromptLength = Callable[[Sample], int]
 """Tokens the evaluated model sees for a sample (chat template included): tasks fit lengths with it."""
 
+# No token of a tokenizer spans more characters than this: SmolLM2's longest is 81 (a newline and 80
+# spaces), common vocabularies' are under 100. A prompt of more characters than this many per token of
+# --length holds more tokens than --length at any tokenisation (a token is at least one character).
+MAX_CHARS_PER_TOKEN = 256
+
 
 class Task(ABC):
     name: str

@@ -44,7 +44,7 @@ import re
 from pathlib import Path
 
 from evalkit.errors import EvalkitError
-from evalkit.tasks.base import TASKS, PromptLength, Sample, Task
+from evalkit.tasks.base import MAX_CHARS_PER_TOKEN, TASKS, PromptLength, Sample, Task
 from evalkit.tasks.data_source import DataSource
 from evalkit.tasks.longbench import DATASETS as LONGBENCH_DATASETS
 from evalkit.tasks.longbench import LongBenchTask, check_records
@@ -54,10 +54,6 @@ FORMATS = ("kvpress", "ruler", "longbench")
 DEFAULT_METRIC = "string_match_all"
 METRIC_ALIASES = {"f1": "qa_f1"}
 RULER_MAX_NEW_TOKENS = 128  # RULER's tokens_to_generate for NIAH
-# No token of a tokenizer spans more characters than this: SmolLM2's longest is 81 (a newline and 80
-# spaces), common vocabularies' are under 100. A prompt of more characters than this many per token of
-# --length holds more tokens than --length at any tokenisation (a token is at least one character).
-MAX_CHARS_PER_TOKEN = 256
 _NEEDS_CLASSES = "classification"  # a metric that needs LongBench's all_classes beside the references
 _EXPECTED = "kvpress (context, question, answers), ruler (input, outputs) or longbench (input, context, answers)"
 

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evalkit.errors import EvalkitError
-from evalkit.tasks.base import TASKS, PromptLength, Sample, Task
+from evalkit.tasks.base import MAX_CHARS_PER_TOKEN, TASKS, PromptLength, Sample, Task
 from evalkit.tasks.data_source import iter_jsonl
 from evalkit.tasks.haystack import fit_size
 from evalkit.tasks.metrics import METRICS, first_line
@@ -276,14 +276,18 @@ class LongBenchTask(Task):
             raise EvalkitError(f"length {length} leaves no room for a prompt ({self.spec.max_new_tokens} new tokens)")
         build = functools.partial(self._sample, index, self.records[index])
         whole = build(None)
-        tokens = prompt_length(whole)
-        if tokens <= prompt_tokens:
-            return whole
+        measured = whole.meta["context_chars"]  # the context's characters in the prompt measured first
+        if measured <= prompt_tokens * MAX_CHARS_PER_TOKEN:
+            tokens = prompt_length(whole)
+            if tokens <= prompt_tokens:
+                return whole
+        else:  # it cannot fit at any tokenisation: tokenising it all (50 MB: over a minute) would say no more
+            measured = prompt_tokens * MAX_CHARS_PER_TOKEN
+            tokens = prompt_length(build(measured))  # the fit's first guess; the cut is of the whole context still
         if prompt_length(build(0)) > prompt_tokens:
             raise EvalkitError(f"{self.name} sample {index}: the prompt without its context is over the "
                                f"{prompt_tokens} tokens the length leaves; raise the length")
-        context_chars = whole.meta["context_chars"]
-        kept = fit_size(lambda size: prompt_length(build(size)), prompt_tokens, guess=context_chars * prompt_tokens // tokens)
+        kept = fit_size(lambda size: prompt_length(build(size)), prompt_tokens, guess=measured * prompt_tokens // tokens)
         return build(kept)
 
     def _sample(self, index: int, record: dict, kept: int | None) -> Sample:
