@@ -21,7 +21,8 @@ time (B = 1), greedy, with the model in float64:
   itself is held to kvpress's computation in tests/test_duo_attention.py); how many heads stream, which, and
   what each keeps are derived here;
 - KVzip's context reconstruction is one more forward over the sequence with the reconstruction
-  tokens appended (seeing what is held), whose tokens are then dropped again;
+  tokens appended (seeing what is held), whose tokens are then dropped again; its words, asked in a
+  tokenizer's ids when the run has one, are built from the tokenizer's chat template as kvpress builds them;
 - budgets, protected tokens, scores and selection at the four granularities, the
   pyramid schedule, Ada-KV (over any scorer), CriticalKV's two stages, KVzip's budget pooled
   over layers and Quest follow docs/policies.md and the policies' definitions (kvpress 0.5.5's
@@ -64,6 +65,9 @@ FAMILIES = ("full", "quest", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "kno
             *(f"{w}_{s}" for w in WRAPPERS for s in WRAPPED))
 FIRST_STAGE = 2.0 ** 100  # CriticalKV: a first-stage pick's score, above any other and finite in page means
 RECONSTRUCTION_TAIL = 8  # KVzip: a later chunk's reconstruction starts from the previous chunk's last 8 tokens
+# KVzip: what the first chunk's reconstruction asks, and what every later one asks (kvpress's KVzipPress.prepare)
+RECONSTRUCT_FIRST = "\n\nRepeat the previous context exactly."
+RECONSTRUCT_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
 def scorer_of(family: str) -> str:
@@ -281,6 +285,40 @@ def duo_streaming(head_scores, k: int, n: int, w: int, ratio: float = 0.0) -> se
     return set(chosen)
 
 
+@dataclass(frozen=True)
+class KVzipPrompts:
+    """KVzip's reconstruction prompts in a tokenizer's ids: the prompt's first `prefix` positions (the chat
+    template's text before the user's) are never reconstructed; a chunk's tokens are fed after `first` (the first
+    chunk) or `later` and the previous chunk's tail, then `suffix` (the template's assistant turn)."""
+
+    prefix: int = 0
+    first: tuple = ()
+    later: tuple = ()
+    suffix: tuple = ()
+
+
+def kvzip_prompts(tokenizer) -> KVzipPrompts:
+    """As kvpress's KVzipPress.__call__ builds them: the chat template applied to one user turn, "dummy context"
+    and a separator ("\n" and as many "#"), with the generation prompt; its text before "dummy context" is the
+    prefix, after the separator the suffix ("\n" without a template). No tokenizer (the loop's token-level API):
+    no words, nothing before the user's text."""
+    if tokenizer is None:
+        return KVzipPrompts()
+    prefix, suffix = "", "\n"
+    if tokenizer.chat_template is not None:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        context, suffix = text.split(separator)
+        prefix = context.split(dummy)[0]
+
+    def ids(text: str) -> tuple:
+        return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+    return KVzipPrompts(len(ids(prefix)), ids(RECONSTRUCT_FIRST), ids(RECONSTRUCT_LATER), ids(suffix))
+
+
 # --- keep orders -------------------------------------------------------------------------------
 
 
@@ -343,9 +381,9 @@ def oracle_attention(model):
 
 
 class Sequence:
-    def __init__(self, model, spec: Spec, settings: Settings):
+    def __init__(self, model, spec: Spec, settings: Settings, prompts: KVzipPrompts = KVzipPrompts()):
         config = model.config
-        self.model, self.spec, self.settings = model, spec, settings
+        self.model, self.spec, self.settings, self.prompts = model, spec, settings, prompts
         self.L = config.num_hidden_layers
         self.H = config.num_key_value_heads
         self.G = config.num_attention_heads // self.H
@@ -660,18 +698,23 @@ class Sequence:
     # -- KVzip's context reconstruction --
 
     def reconstruct(self, compressed: list[int], begin: int, end: int) -> None:
-        """Score the prompt's positions [begin, end) by repeating them: per chunk of `recon_chunk` positions,
-        the chunk's tokens (a later chunk's preceded by the previous RECONSTRUCTION_TAIL context tokens; the
-        loop has no tokenizer, so no words ask for it) are fed after everything held, seeing it all; each chunk
-        token's statistic becomes the most probability any of those tokens' queries, of any query head of its
-        KV head, gives it in a softmax over the held sinks before the chunk, the chunk and the reconstruction
-        tokens (causal). The reconstruction tokens are then dropped; every token fed so far counts as scored."""
-        sinks, stop = self.spec.sinks, min(end, len(compressed))
-        for first in range(begin, stop, self.spec.recon_chunk):
+        """Score the prompt's positions [begin, end) past the template's prefix (`self.prompts`) by repeating
+        them: per chunk of `recon_chunk` positions, the first chunk after the prefix asked with `prompts.first`, a
+        later one with `prompts.later` and the previous RECONSTRUCTION_TAIL context tokens (none of the prefix),
+        then `prompts.suffix` and the chunk's tokens, are fed after everything held, seeing it all (no words
+        without a tokenizer: a chunk alone, a later one after its tail); each chunk token's statistic becomes the
+        most probability any of those tokens' queries, of any query head of its KV head, gives it in a softmax
+        over the held sinks before the chunk, the chunk and the reconstruction tokens (causal). The
+        reconstruction tokens are then dropped; every token fed so far counts as scored."""
+        sinks, stop, prompts = self.spec.sinks, min(end, len(compressed)), self.prompts
+        for first in range(max(begin, prompts.prefix), stop, self.spec.recon_chunk):
             last = min(first + self.spec.recon_chunk, stop)
-            ask = compressed[max(0, first - RECONSTRUCTION_TAIL):first]
+            if first == prompts.prefix:
+                ask = list(prompts.first)
+            else:
+                ask = list(prompts.later) + compressed[max(prompts.prefix, first - RECONSTRUCTION_TAIL):first]
             base = self.seen
-            self.forward(ask + compressed[first:last], None)
+            self.forward(ask + list(prompts.suffix) + compressed[first:last], None)
             for l in range(self.L):
                 query, scaling = self.queries[l]
                 for h in range(self.H):
@@ -848,9 +891,10 @@ class Sequence:
 
 
 def run_oracle(model, spec: Spec, settings: Settings, context: list[int], question: list[int],
-               max_new_tokens: int) -> Trace:
-    """One request, as docs/policies.md says evalkit's loop must process it. `model` in float64."""
-    seq = Sequence(model, spec, settings)
+               max_new_tokens: int, tokenizer=None) -> Trace:
+    """One request, as docs/policies.md says evalkit's loop must process it. `model` in float64; `tokenizer`
+    (None: token ids alone) only words KVzip's reconstruction prompts."""
+    seq = Sequence(model, spec, settings, kvzip_prompts(tokenizer))
     compressed = context + question if settings.query_aware else list(context)
     appended = [] if settings.query_aware else list(question)
     n = len(compressed)

@@ -17,7 +17,9 @@ departs from the rules (KNOWN_DEVIATIONS) are strict xfails, each with its reaso
 Every hyper-parameter of every family also leaves its default in some case (HYPER_CASES, with other block
 and chunk sizes; `test_every_hyper_parameter_is_varied_against_the_oracle` fails for one that does not),
 kvpress's parity settings (docs/fidelity.md) are cases, and every registered name and alias, made as named,
-is held to the oracle at the granularity tests/test_policies.py pins for it.
+is held to the oracle at the granularity tests/test_policies.py pins for it. A few cases each decide a rule no other
+case does (issue #53's mutation study): CriticalKV's first stage of one token, Ada-KV's safeguard, ties between
+DuoAttention's head scores, KVzip's prompts in a chat template's words and its pooled budget over sliding layers.
 
 Mutation tests show the comparison has teeth: H2O without decode accumulation, a SnapKV window one
 query too wide, and one small error in each scorer of issue #29 (KeyDiff's anchor from raw keys, LagKV
@@ -39,7 +41,8 @@ import pytest
 import torch
 
 from conftest import SHORT_PROMPT_ARGS, TINY, tiny_config
-from oracle import FAMILIES, Settings, budget_tokens, published_spec, pyramid_budgets, run_oracle
+from oracle import (FAMILIES, Settings, budget_tokens, duo_streaming, kvzip_prompts, published_spec, pyramid_budgets,
+                    run_oracle)
 from test_policies import every_name, published_granularity
 
 import evalkit.attention
@@ -164,23 +167,7 @@ def family_of(name: str) -> str | None:
 
 # Cases where evalkit departs from the rules (found by this oracle, reported, not fixed in the tests): strict xfail,
 # so that once evalkit is fixed the case passes, its xfail fails, and its entry here must go.
-_LAGKV_TIES = ("LagKV's scores are exact fractions (rank / lag, (i - sinks) / (n - sinks)): equal means of them (a "
-               "token's over heads, a page's over its pairs) tie and go to the earlier position or page, but evalkit "
-               "holds the scores in float32 and sums them in float32, so rounding noise decides the tie")
-KNOWN_DEVIATIONS = {
-    "lagkv_head-token-lag_size=6,recent_fraction=0.2,observation_window=3-0.3-qwen2-paged-full-query_aware=0-"
-    "decode_eviction=1": _LAGKV_TIES,
-    "lagkv_head-page-lag=5,sink_tokens=2,recent_tokens=2-0.6-qwen2-dense-full-query_aware=0-decode_eviction=0":
-        _LAGKV_TIES,
-    "lagkv_head-head_page-lag=5,sink_tokens=2,recent_tokens=2-0.3-llama-dense-chunked-query_aware=0-"
-    "decode_eviction=0": _LAGKV_TIES,
-    "lagkv_head-head_page-lag_size=6,recent_fraction=0.2,observation_window=3-0.6-llama-dense-full-query_aware=0-"
-    "decode_eviction=1": _LAGKV_TIES,
-    "adakv_lagkv-token-lag_size=6,recent_fraction=0.2,observation_window=3,alpha_safeguard=0-0.3-qwen2-paged-full-"
-    "query_aware=0-decode_eviction=1": _LAGKV_TIES,
-    "adakv_lagkv-page-lag=5,sink_tokens=2,recent_tokens=2,alpha_safeguard=0.5-0.6-qwen2-dense-full-query_aware=0-"
-    "decode_eviction=0": _LAGKV_TIES,
-}
+KNOWN_DEVIATIONS: dict[str, str] = {}  # case id -> why evalkit departs from the rules there
 
 
 def _known(case_id: str) -> list:
@@ -271,14 +258,15 @@ def _snapshot(cache):
                   for pos in per_layer) for b in range(B)]
 
 
-def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, block_size=BLOCK, chunk_size=CHUNK):
+def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, block_size=BLOCK, chunk_size=CHUNK,
+                tokenizer=None):
     policy = make_policy(name, granularity, args)
     settings = GenerationSettings(policy, budget=budget, layout=env["layout"], block_size=block_size,
                                   prefill=env["prefill"], chunk_size=chunk_size, query_aware=env["query_aware"],
                                   decode_eviction=env["decode_eviction"], seed=SEED,
                                   sliding_layers=env.get("sliding_layers", "budget"))
     events = []
-    out = generate(model(env["arch"]), None, [Request(c, q, new_tokens) for c, q in requests], settings,
+    out = generate(model(env["arch"]), tokenizer, [Request(c, q, new_tokens) for c, q in requests], settings,
                    observe=lambda event, cache: events.append((event, _snapshot(cache))))
     chunks, prefill, steps = [], None, []
     for event, snap in events:
@@ -295,9 +283,10 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, bloc
 
 
 def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, block_size=BLOCK,
-                 chunk_size=CHUNK, own_granularity=False) -> str | None:
+                 chunk_size=CHUNK, own_granularity=False, tokenizer=None) -> str | None:
     """None when evalkit and the oracle agree on every step; else where they first differ. With
-    `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`."""
+    `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`; both
+    get `tokenizer` (None: token ids alone, as every case but KVzip's chat-template ones)."""
     requests = requests or batch()
     family = family_of(name)
     overrides = {ORACLE_ARG[k][0]: ORACLE_ARG[k][1](v) for k, v in args.items()}
@@ -316,17 +305,19 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
     settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
                         SEED, env.get("sliding_layers", "budget"))
     tokens, chunks, prefill, steps, events = run_evalkit(name, None if own_granularity else granularity, args,
-                                                         budget, env, new_tokens, requests, block_size, chunk_size)
+                                                         budget, env, new_tokens, requests, block_size, chunk_size,
+                                                         tokenizer)
     sizes = "" if (block_size, chunk_size) == (BLOCK, CHUNK) else f" block={block_size} chunk={chunk_size}"
     case = (f"policy={name} granularity={granularity}{' (its own)' if own_granularity else ''} "
             f"args={args or 'published'} budget={budget}{sizes} "
             f"[{env['arch']}, {env['layout']}, prefill={env['prefill']}, "
             f"{'query-aware' if env['query_aware'] else 'query-agnostic'}, "
             f"decode eviction {'on' if env['decode_eviction'] else 'off'}"
-            f"{', sliding layers: ' + env['sliding_layers'] if 'sliding_layers' in env else ''}]")
+            f"{', sliding layers: ' + env['sliding_layers'] if 'sliding_layers' in env else ''}"
+            f"{', with a chat template' if tokenizer is not None else ''}]")
     m = model(env["arch"])
     for b, (context, question) in enumerate(requests):
-        trace = run_oracle(m, spec, settings, context, question, new_tokens)
+        trace = run_oracle(m, spec, settings, context, question, new_tokens, tokenizer)
         where = (f"{case}: sequence {b} (context {len(context)}, question {len(question)} tokens; "
                  f"k={trace.budget}, k_l={trace.layer_budgets or 'not evicting'})")
 
@@ -570,6 +561,10 @@ SLIDING_CASES = [
     # KVzip's reconstruction queries attend within the window; its score's softmax has none (kvpress).
     ("kvzip_head", "head", {"chunk_size": "24", "sink_tokens": "2"}, 0.1, GEMMA3),
     ("kvzip_token", "token", {"chunk_size": "12"}, 0.3, GEMMA3_CHUNKED),
+    # KVzip's budget pooled over layers sums every layer's cap, a sliding layer's W - 1 too: what the global layer
+    # keeps depends on it, above the window (0.3) and with `sliding_layers="window"`.
+    ("kvzip_head", "head", {"chunk_size": "24", "sink_tokens": "2"}, 0.3, GEMMA3),
+    ("kvzip_head", "head", {"chunk_size": "12"}, 0.3, {**GEMMA3_CHUNKED, "sliding_layers": "window"}),
 ]
 
 
@@ -585,6 +580,76 @@ def test_sliding_window_layers_against_the_oracle(name, granularity, args, budge
     to min(its cap, W - 1) (or keeps the whole window): kept positions and tokens equal the oracle's after every
     prefill chunk, after prefill and after every decode step."""
     message = disagreement(name, granularity, args, budget, env)
+    assert message is None, message
+
+
+# --- rules only a corner decides (issue #53's mutation study: no other case failed when each was broken) -----
+
+CORNER_CASES = [
+    # floor(0.1 x cap) is 0 at caps of 5 to 8: the first stage still picks one token (the scorer's best: no sinks, no
+    # recent window), which the value-norm correction alone would not keep
+    pytest.param("critical_knorm_head", "head", {"first_stage_ratio": "0.1"}, 0.1, DECODING,
+                 id="critical_first_stage_below_one_token_keeps_one"),
+    # caps of 3: KeyDiff's heads score so differently that one would take its layer's whole budget and the other
+    # keep nothing, but for the published safeguard, ceil(0.2 x 3) = 1 token (no decode eviction: there a head can be
+    # left two tokens, whose cosines to their mean are equal, a tie that rounding noise decides)
+    pytest.param("adakv_keydiff", "head", {}, 3,
+                 dict(arch="qwen2", layout="paged", prefill="full", query_aware=True, decode_eviction=False),
+                 id="adakv_published_safeguard_keeps_a_head_its_best_token"),
+]
+
+
+@pytest.mark.parametrize("name, granularity, args, budget, env", CORNER_CASES)
+def test_corner_rules_against_the_oracle(name, granularity, args, budget, env):
+    """Each rule that only its corner case decides (the comment above it says which) is the oracle's."""
+    message = disagreement(name, granularity, args, budget, env)
+    assert message is None, message
+
+
+@functools.lru_cache(maxsize=None)
+def chat_tokenizer():
+    """A tokenizer of the tiny models' ids, built here (nothing from the hub): one id per character (a newline and
+    printable ASCII, then unused ids up to the vocabulary's size) and SmolLM2's chat template, ChatML."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = ["\n", *map(chr, range(32, 127))]
+    vocab = {c: i for i, c in enumerate(characters)} | {f"<unused{i}>": i
+                                                        for i in range(len(characters), TINY["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=f"<unused{TINY['vocab_size'] - 1}>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=template)
+
+
+@pytest.mark.parametrize("granularity, args, env", [
+    pytest.param("head", {"chunk_size": "12"}, DECODING, id="first_and_later_chunks_after_the_prefix"),
+    pytest.param("token", {"chunk_size": "24", "sink_tokens": "2"}, CHUNKED,
+                 id="a_prefill_chunk_within_the_prefix_reconstructs_nothing"),
+])
+def test_kvzip_reconstruction_prompts_follow_the_chat_template(granularity, args, env):
+    """With a tokenizer that has a chat template, KVzip asks in its words, as kvpress: the prompt's first positions
+    (the template's "<|im_start|>user\\n", 17 characters) are never reconstructed, the first chunk after them is
+    asked to be repeated, a later one from the previous chunk's tail, each in the template's assistant turn."""
+    assert kvzip_prompts(chat_tokenizer()).prefix > CHUNK  # the chunked prefill's first chunk is all prefix
+    message = disagreement("kvzip_head", granularity, args, 0.3, env, tokenizer=chat_tokenizer())
+    assert message is None, message
+
+
+def test_duo_attention_ties_between_head_scores_stream_the_lower_layer_and_head(monkeypatch):
+    """Head scores with ties, three heads at 0.2 and three at 0.5, at a budget that streams two heads in every
+    sequence: of the three tied lowest, (0, 1) and (1, 0) stream, not (2, 1)."""
+    tied = torch.tensor([[0.5, 0.2], [0.2, 0.5], [0.5, 0.2]])
+    for module in (evalkit.policies.duo_attention, evalkit.policies.duo_calibration):
+        monkeypatch.setattr(module, "calibrated_head_scores", lambda model, tokenizer=None: tied)
+    args = SHORT_PROMPT_ARGS["duo_attention"]
+    window = int(args["sink_size"]) + int(args["recent_size"])
+    for context, question in batch():
+        n = len(context) + len(question)
+        assert duo_streaming(tied.tolist(), budget_tokens(0.7, n), n, window) == {(0, 1), (1, 0)}
+    message = disagreement("duo_attention", "head", args, 0.7, DECODING)
     assert message is None, message
 
 

@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import torch
 
 from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, register_presets
+from evalkit.policies.selection import Granularity
 
 
 @dataclass
@@ -15,7 +16,8 @@ class LagKV(Policy):
     the token's score is its rank within the partition by the mean of both, over `lag_size` (kvpress's
     LagKVPress without cross scoring). The last whole partition and the remainder after it score 1
     (always kept first); a prompt shorter than sinks + 2 partitions scores by recency. Decode eviction
-    re-scores the tokens held, in position order.
+    re-scores the tokens held, in position order. Equal means of these fractions (a token's over its heads, a
+    page's over its pairs) tie exactly, as every tie, and go to the earlier position or page (`select`).
     """
 
     sink_tokens: int = arg(4, 0, PROMPT)
@@ -52,6 +54,25 @@ class LagKV(Policy):
                   + self._spread(values[sink:end].view(partitions, lag, -1))) / 2  # [partitions - 1, lag]
         score[sink:end - lag] = (spread.argsort(-1).argsort(-1) / lag).flatten()
         return score
+
+    def select(self, scores, positions, seen, caps, block_size, recent, span=None) -> torch.Tensor:
+        """The shared selection; where it averages scores (every granularity but head: a token's over its heads, a
+        page's over its pairs) it gets their integer numerators instead. LagKV's scores are fractions with one
+        denominator per head (`denominators`; one per sequence at token and page granularity, whose heads hold the
+        same tokens), and float32 sums of them round: two equal means could differ in their last bit, and rounding
+        noise, not the earlier position, would break the tie. Sums of integers are exact, and scaling by the
+        denominator keeps every other order. At head granularity nothing is averaged: the scores are kvpress's, as
+        they are. A wrapper that rewrites the scores (CriticalKV) selects on its own."""
+        if self.granularity != Granularity.HEAD and type(self).score is LagKV.score:
+            scores = (scores * self.denominators(positions)).round()
+        return super().select(scores, positions, seen, caps, block_size, recent, span)
+
+    def denominators(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B, H_kv, 1] each head's score denominator (`sequence_scores`): lag_size, or n - sinks (at least 1)
+        when it holds n < sinks + 2 lag_size tokens and scores by recency."""
+        held = (positions >= 0).sum(-1, keepdim=True)
+        return torch.where(held < self.sink_tokens + 2 * self.lag_size, (held - self.sink_tokens).clamp(min=1),
+                           self.lag_size)
 
     def _spread(self, parts: torch.Tensor) -> torch.Tensor:
         """[P - 1, lag]: each partition's tokens normalised by the next partition's per-channel range."""
