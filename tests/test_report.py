@@ -1,7 +1,6 @@
 """`evalkit report`: the AUC by hand, the report of the killed-and-resumed sweep (CSV, PNGs, HTML) opened
 in headless Chromium with the network off, and hostile strings from run folders kept inert."""
 
-import base64
 import csv
 import io
 import json
@@ -9,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import plotly.offline
 import pytest
 
 from evalkit.policies import fraction_of
@@ -82,8 +82,19 @@ def test_report_of_the_sweep_has_every_run_its_numbers_and_plots(sweep_report):
 
     html = (output / "index.html").read_text()
     assert _fetched(html) == set()  # nothing to fetch: the page works offline
-    assert html.count('class="plotly-graph-div"') == 2
+    # plotly.js and the page's script beside it, the same bytes at every regeneration; the page itself small
+    assert 'src="plotly.min.js"' in html and 'src="report.js"' in html
+    assert (output / "plotly.min.js").read_text() == plotly.offline.get_plotlyjs()
+    assert len(html.encode()) < 100_000
     assert all(name in html for name in folders)
+    # The answer's points: each policy's score over its full cache's, one task (its full cache >= a third)
+    data = json.loads(re.search(r'id="answer-data">(.*?)</script>', html, re.S).group(1))
+    assert {p["series"] for p in data["points"]} == set(POLICIES) and len(data["points"]) == 9
+    for point in data["points"]:
+        (row,) = [r for r in rows if r["series"] == point["series"] and float(r["budget"]) == point["budget"]]
+        assert point["relative"] == pytest.approx(float(row["relative_score"]))
+        assert point["error"] == pytest.approx((float(row["ci_high"]) - float(row["ci_low"])) / 2 / full)
+        assert point["tasks"] == ["ruler:niah_single_2"] and point["mode"] == "question seen"
 
 
 def _fetched(html: str) -> set[str]:
@@ -144,9 +155,31 @@ def test_report_in_chromium_renders_plots_and_sorts(sweep_report, browser, tmp_p
     _, output = sweep_report
     browser.get((output / "index.html").as_uri())
     assert _errors(browser) == []
-    # Plotly ran from the inlined bundle: two figures drawn as SVG.
-    assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length") >= 2
+    # Plotly ran from the file beside the page: the answer drawn as SVG, one line per granularity of the scorer
+    # with the most runs (each a scorer of its own here), then one line per scorer at head granularity.
+    assert browser.execute_script("return document.querySelectorAll('#answer-plot .main-svg').length") >= 1
+    traces = "return document.getElementById('answer-plot').data.map(t => t.name)"
+    assert len(browser.execute_script(traces)) == 1
+    browser.find_element(By.CSS_SELECTOR, "input[name=lines][value=scorer]").click()
+    assert sorted(browser.execute_script(traces)) == sorted(POLICIES)  # all three at head granularity
+    bars = browser.execute_script("return document.getElementById('answer-plot').data"
+                                  ".map(trace => trace.error_y.array.length)")
+    assert bars == [3, 3, 3]  # each point's error bar
+    policies = "return Array.from(document.querySelectorAll('#policies tbody tr.series'), r => r.cells[0].textContent)"
+    assert sorted(browser.execute_script(policies)) == sorted(POLICIES)
+    browser.find_element(By.CSS_SELECTOR, "#policies tbody tr.series").click()  # its tasks
+    assert "ruler:niah_single_2 (full cache" in browser.find_element(By.CSS_SELECTOR, "#policies tr.tasks").text
+    # The run table's filters hide the other runs, and say how many are shown.
     assert len(browser.find_elements(By.CSS_SELECTOR, "#leaderboard tbody tr")) == 10
+    browser.execute_script("var s = document.querySelector('select[data-filter=scorer]'); s.value = 'snapkv';"
+                           "s.dispatchEvent(new Event('change'));")
+    shown = "return Array.from(document.querySelectorAll('#leaderboard tbody tr'), r => !r.hidden)"
+    assert browser.execute_script(shown).count(True) == 3
+    assert browser.find_element(By.ID, "runs-shown").text == "3 of 10 runs shown"
+    browser.execute_script("var s = document.querySelector('select[data-filter=scorer]'); s.value = '';"
+                           "s.dispatchEvent(new Event('change'));")
+    assert browser.execute_script(shown).count(True) == 10
+    assert browser.execute_script("return document.body.scrollWidth <= window.innerWidth")  # no sideways scrolling
 
     # Intervals and significance marks are shown: a "95% CI" column (low–high), a "significant" column, and
     # each quality-vs-budget point's error bar.
@@ -160,9 +193,6 @@ def test_report_in_chromium_renders_plots_and_sorts(sweep_report, browser, tmp_p
     shown = _column(browser, "significant")
     assert shown.count("") == 1  # the full cache is tested against nothing
     assert all(text == "no difference found" or "(p = " in text for text in shown if text)
-    bars = browser.execute_script("return document.querySelector('.js-plotly-plot').data"
-                                  ".map(trace => trace.error_y ? trace.error_y.array.length : 0)")
-    assert sum(bars) == 9  # three policies at three budgets
 
     header = browser.find_element(By.XPATH, "//table[@id='leaderboard']//th[normalize-space()='score']")
     header.click()
@@ -229,7 +259,7 @@ def hostile_runs(tmp_path) -> Path:
     return runs
 
 
-def test_hostile_strings_are_escaped_and_heatmaps_embedded(hostile_runs, tmp_path):
+def test_hostile_strings_are_escaped_and_heatmaps_shown(hostile_runs, tmp_path):
     output = tmp_path / "report"
     written = build_report(hostile_runs, output)
     html = (output / "index.html").read_text()
@@ -240,7 +270,7 @@ def test_hostile_strings_are_escaped_and_heatmaps_embedded(hostile_runs, tmp_pat
     assert written.runs == 3 and written.heatmaps == 1
     assert any("lm_eval-arc" in reason for reason in written.skipped)
     heatmap = (hostile_runs / "hostile-0.25" / "heatmap.png").read_bytes()
-    assert base64.b64encode(heatmap).decode() in html
+    assert 'src="heatmap-hostile-0.25.png"' in html
     assert (output / "heatmap-hostile-0.25.png").read_bytes() == heatmap
     (row,) = [r for r in csv.DictReader((output / "leaderboard.csv").open()) if r["budget"] == "0.25"]
     assert row["policy"] == HOSTILE_POLICY and row["task"] == HOSTILE_TASK  # the CSV keeps the raw text
@@ -252,9 +282,12 @@ def test_hostile_page_runs_no_injected_script_in_chromium(hostile_runs, browser,
     browser.get((tmp_path / "report" / "index.html").as_uri())
     assert browser.execute_script("return typeof window.pwned") == "undefined"
     assert _errors(browser) == []
-    assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot').length") == 2
+    assert browser.execute_script("return document.querySelectorAll('.js-plotly-plot').length") == 1
     text = browser.execute_script("return document.getElementById('leaderboard').innerText")
     assert HOSTILE_POLICY in text  # the name is displayed as the literal text it is
+    assert HOSTILE_POLICY in browser.execute_script("return document.getElementById('policies').innerText")
+    legend = browser.execute_script("return document.getElementById('answer-plot').innerText")
+    assert "<script>" in legend  # plotly shows the name as text too
     assert browser.execute_script("return document.querySelector('figure img').naturalWidth") > 0  # heatmap decoded
     browser.save_screenshot(str(tmp_path / "hostile.png"))
 
@@ -309,16 +342,65 @@ def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tm
     (png,) = (tmp_path / "report").glob("quality-vs-block-size-*.png")
     assert png.stat().st_size > 0
     html = (tmp_path / "report" / "index.html").read_text()
-    assert "Quality vs block size" in html
-    figure = re.search(r"id=\"plot-quality-vs-block-size-1\".*?</script>", html, re.S).group(0)
-    assert "h2o_head_page @ 0.2" in figure and "h2o_page @ 0.2" in figure and "h2o_head @" not in figure
-    assert '"x":[4,16,32]' in figure.replace(" ", "") and '"y":[90.0,60.0,30.0]' in figure.replace(" ", "")
+    assert f'src="{png.name}"' in html
+    from evalkit.report.page import _block_size_lines, load_entries
+
+    lines = _block_size_lines(load_entries([runs])[0])  # what the PNG draws
+    assert sorted(lines) == ["h2o_head_page @ 0.2", "h2o_page @ 0.2"]  # h2o_head: one block size, no line
+    line = lines["h2o_head_page @ 0.2"]
+    assert [e.config["block_size"] for e in line] == [4, 16, 32] and [e.metrics["score"] for e in line] == [0.9, 0.6, 0.3]
     # Without a second block size there is no such plot.
     for size in (4, 32):
         for policy in ("h2o_head_page", "h2o_page"):
             shutil.rmtree(runs / f"{policy}-{size}")
     build_report(runs, tmp_path / "report")
     assert not list((tmp_path / "report").glob("quality-vs-block-size-*.png"))
+
+
+def test_the_answer_averages_the_tasks_the_model_can_do_relative_to_their_full_cache(tmp_path):
+    """Tasks whose full cache scores under a third are left out; a point is the mean relative score over the
+    others, its error bar the mean's from the runs' intervals; a row counts its significant paired tests."""
+    from evalkit.report.answer import answer_data
+    from evalkit.report.page import load_entries
+    from evalkit.uncertainty import score_interval
+
+    runs = tmp_path / "runs"
+    passed = {  # (task, policy, budget) -> samples of 20 passed; full caches 100 %, 50 % and 20 %
+        ("a", "full", 1.0): 20, ("b", "full", 1.0): 10, ("c", "full", 1.0): 4,
+        ("a", "h2o_head_page", 0.2): 18, ("a", "h2o_head_page", 0.5): 20, ("a", "h2o_head", 0.2): 0,
+        ("a", "h2o_head", 0.5): 0, ("b", "h2o_head_page", 0.2): 5, ("b", "h2o_head_page", 0.5): 5,
+        ("b", "h2o_head", 0.2): 5, ("b", "h2o_head", 0.5): 5, ("c", "h2o_head_page", 0.2): 0, ("c", "h2o_head", 0.2): 4,
+    }
+    records = {}
+    for (task, policy, budget), n in passed.items():
+        records[task, policy, budget] = [{"id": f"s{i}", "score": float(i < n)} for i in range(20)]
+        config = {"task": f"ruler:{task}", "length": 1024, "samples": 20, "model": "m", "seed": 0,
+                  "query_aware": True, "policy": policy, "budget": budget}
+        _write_run(runs, f"{task}-{policy}-{budget}", config, {**_metrics(n / 20, budget), "samples": 20},
+                   records[task, policy, budget])
+    data = answer_data(load_entries([runs])[0])
+
+    def half_width(task, policy, budget):
+        interval = score_interval(records[task, policy, budget])
+        return (interval.ci_high - interval.ci_low) / 2
+
+    points = {(p["series"], p["budget"]): p for p in data["points"]}
+    assert len(points) == 4 and all(p["tasks"] == ["ruler:a", "ruler:b"] for p in points.values())  # not c
+    page = points["h2o_head_page", 0.2]
+    assert page["relative"] == pytest.approx((18 / 20 / 1.0 + 5 / 20 / 0.5) / 2)
+    assert page["error"] == pytest.approx(
+        ((half_width("a", "h2o_head_page", 0.2) / 1.0) ** 2 + (half_width("b", "h2o_head_page", 0.2) / 0.5) ** 2)
+        ** 0.5 / 2)
+    assert points["h2o_head", 0.5]["relative"] == pytest.approx((0 + 0.5) / 2)
+    assert (page["model"], page["length"], page["mode"]) == ("m", 1024, "question seen")
+    rows = {r["series"]: r for r in data["rows"]}
+    assert rows["h2o_head_page"]["auc"] == pytest.approx(
+        quality_auc([(0.2, page["relative"]), (0.5, points["h2o_head_page", 0.5]["relative"])], 0.2, 1.0))
+    # 20 against 0 on task a at both budgets: two wins for per-head pages, two losses for per-head tokens
+    assert (rows["h2o_head_page"]["wins"], rows["h2o_head_page"]["losses"]) == (2, 0)
+    assert (rows["h2o_head"]["wins"], rows["h2o_head"]["losses"]) == (0, 2)
+    assert [t["task"] for t in rows["h2o_head"]["tasks"]] == ["ruler:a", "ruler:b"]
+    assert rows["h2o_head"]["tasks"][1] == {"task": "ruler:b", "full": 0.5, "relative": {"0.2": 0.5, "0.5": 0.5}}
 
 
 # ---- several results folders --------------------------------------------------------------------------------
@@ -354,7 +436,7 @@ def test_runs_of_several_folders_are_read_together_and_each_folder_named(monkeyp
     html = (tmp_path / "r" / "index.html").read_text()
     assert f"3 runs from <code>{first}</code>, <code>{second}</code>." in html
     assert f"<li>{second}: incomplete runs (no metrics.json yet): running</li>" in html
-    assert re.findall(r'<th scope="col" class="headline">([^<]*)</th>', html) == ["AUC"]  # the headline column
+    assert re.findall(r'<th scope="col" class="headline">([^<]*)</th>', html) == ["AUC / full", "AUC"]  # policies, runs
 
 
 def test_a_run_id_in_two_folders_is_shown_once_from_the_first_given(tmp_path):

@@ -24,15 +24,16 @@ AUC_DEFINITION = (
     "the full-cache score there; a policy not run at the task's lowest budget has no AUC. AUC / full divides by "
     "the full-cache score.")
 
-COLUMNS = [  # (heading, key in a row, display format); the AUC is the headline, first of the numbers
+AUC_SHORT = "AUC / full: the mean relative score over the budgets (trapezoids over the view's lowest budget to 1)."
+
+COLUMNS = [  # the page's run table: (heading, key in a row, display format); the AUC is the headline
     ("task", "setting", "text"), ("policy", "series", "text"), ("budget", "budget", "budget"),
     ("metric", "metric", "text"), ("AUC", "auc", "score"), ("AUC / full", "relative_auc", "pct"),
     ("score", "score", "score"), ("95% CI", "ci", "ci"),
     ("score / full", "relative_score", "pct"), ("significant", "significance", "text"),
-    ("KV held MiB", "mib_held", "num1"),
-    ("KV held / full", "held_over_full", "pct"), ("prefill tok/s", "prefill_tokens_per_s", "num0"),
-    ("decode tok/s", "decode_tokens_per_s", "num1"), ("samples", "samples", "num0"), ("run", "run_id", "text"),
-]
+    ("KV held MiB", "mib_held", "num1"), ("KV held / full", "held_over_full", "pct"),
+    ("samples", "samples", "num0"), ("run", "run_id", "text"),
+]  # the tokens per second are in the CSV
 _CSV_COLUMNS = ["task", "length", "setting", "policy", "series", "budget", "budget_fraction", "auc", "relative_auc",
                 "score", "ci_low", "ci_high", "relative_score", "full_cache_score", "p_vs_full", "significance",
                 "bytes_held", "held_over_full",

@@ -18,7 +18,6 @@ first predictions, from `assets/index.html.j2`; the command is `evalkit.report.c
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import re
@@ -38,8 +37,10 @@ from evalkit.errors import EvalkitError
 from evalkit.policies import fraction_of
 from evalkit.policies.base import policy_label
 from evalkit.report import plots as draw
+from evalkit.report.answer import CAN_DO, answer_data, family_of, view_of
 from evalkit.report.significance import Marks, significance
-from evalkit.report.leaderboard import AUC_DEFINITION, COLUMNS, display, leaderboard_rows, quality_auc, write_csv
+from evalkit.report.leaderboard import (AUC_DEFINITION, AUC_SHORT, COLUMNS, display, leaderboard_rows, quality_auc,
+                                        write_csv)
 from evalkit.results import RunDir, check_writable_folder, read_json
 from evalkit.uncertainty import Interval, score_interval
 
@@ -51,6 +52,7 @@ _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a ru
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s")  # metrics the report computes with, when present
 _GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "quality-vs-block-size-*.png", "heatmap-*.png")
+# Written beside index.html by every report (the same bytes each time).
 
 
 # ---- reading the store --------------------------------------------------------------------------------------
@@ -65,6 +67,7 @@ class Entry:
     metrics: dict
     setting: str = ""  # label of the comparable group
     series: str = ""  # label of the policy line within it
+    variant: dict = field(default_factory=dict)  # the ways of running that differ across the runs (in `series`)
     baseline: dict | None = None  # metrics of the full-cache reference
     baseline_entry: "Entry | None" = None  # that reference
     auc: float | None = None
@@ -193,6 +196,7 @@ def _place(entries: list[Entry]) -> None:
     for e in entries:
         extra = label(e.config, varying_setting)
         e.setting = f"{e.config.get('task')} @ {e.config.get('length')}" + (f" ({extra})" if extra else "")
+        e.variant = {k: e.config.get(k) for k in varying_variant}
         variant = label(e.config, varying_variant)
         e.series = _label(e.config) + (f" ({variant})" if variant else "")
 
@@ -284,39 +288,60 @@ def _write_report(folders: list[Path], entries: list[Entry], skipped: list[str],
     for number, setting in enumerate(settings, 1):
         group = [e for e in entries if e.setting == setting]
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", setting).strip("-")[:60]
-        full = _full_score(group)
         full_run = next((e for e in group if e.is_full and "held_over_full" in e.metrics), None)
-        figures = [("quality-vs-budget", draw.quality_plotly, draw.quality_png, _lines(group), full),
-                   ("memory-vs-quality", draw.memory_plotly, draw.memory_png, _lines(group, _MEMORY), full_run)]
+        figures = [("quality-vs-budget", draw.quality_png, _lines(group), _full_score(group)),
+                   ("memory-vs-quality", draw.memory_png, _lines(group, _MEMORY), full_run)]
         if _block_size_lines(group):
-            figures.append(("quality-vs-block-size", draw.block_size_plotly, draw.block_size_png,
-                            _block_size_lines(group), full))
-        for name, interactive, static, lines, reference in figures:
+            figures.append(("quality-vs-block-size", draw.block_size_png, _block_size_lines(group), _full_score(group)))
+        pngs = []
+        for name, static, lines, reference in figures:
             png = output / f"{name}-{number}-{slug}.png"
             static(lines, reference, setting, png)
-            plots.append({"setting": setting, "png": png.name,
-                          "html": Markup(interactive(lines, reference, setting, f"plot-{name}-{number}"))})
+            pngs.append(png.name)
+        plots.append((setting, pngs))
     heatmaps = []
     for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x)):
         source = e.folder / "heatmap.png"
         if source.is_file():
-            data = source.read_bytes()
-            (output / f"heatmap-{e.folder.name}.png").write_bytes(data)
+            png = output / f"heatmap-{e.folder.name}.png"
+            png.write_bytes(source.read_bytes())
             heatmaps.append({"caption": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id,
-                             "data": base64.b64encode(data).decode()})
+                             "png": png.name})
 
-    table = [[display(row[key], kind, row["lower_is_better"]) for _, key, kind in COLUMNS] for row in rows]
-    template = (files("evalkit.report") / "assets" / "index.html.j2").read_text()
+    by_id = {e.run_id: e for e in entries}
+    table = [{"cells": [(*display(row[key], kind, row["lower_is_better"]), _css(key, kind)) for _, key, kind in COLUMNS],
+              "filters": _filters(by_id[row["run_id"]])} for row in rows]
+    assets = files("evalkit.report") / "assets"
+    (output / "plotly.min.js").write_text(plotly.offline.get_plotlyjs())  # the same bytes each time: git keeps one
+    (output / "report.js").write_text((assets / "report.js").read_text())
     shown = predictions_per_run(len(entries))
-    html = jinja2.Environment(autoescape=True).from_string(template).render(
+    # JSON inside <script>: no "<" can close the element, whatever a run folder's strings hold
+    answer = json.dumps(answer_data(entries), sort_keys=True).replace("<", "\\u003c")
+    html = jinja2.Environment(autoescape=True).from_string((assets / "index.html.j2").read_text()).render(
         columns=[heading for heading, _, _ in COLUMNS], headline=[key for _, key, _ in COLUMNS].index("auc"),
-        table=table, plots=plots, heatmaps=heatmaps,
-        predictions=[_predictions(e, shown) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],
-        runs=[str(folder) for folder in folders], skipped=skipped, plotly_js=Markup(plotly.offline.get_plotlyjs()),
-        auc_definition=AUC_DEFINITION)
+        table=table, plots=plots, heatmaps=heatmaps, filters=list(FILTERS), answer_json=Markup(answer),
+        can_do=CAN_DO, predictions=[_predictions(e, shown) for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x))],
+        runs=[str(folder) for folder in folders], skipped=skipped, auc_definition=AUC_DEFINITION,
+        auc_definition_short=AUC_SHORT)
     index = output / "index.html"
     index.write_text(html)
-    return Written(index, len(entries), len(plots), len(heatmaps), skipped)
+    return Written(index, len(entries), sum(len(pngs) for _, pngs in plots), len(heatmaps), skipped)
+
+
+FILTERS = ("model", "length", "mode", "task", "scorer", "granularity", "budget")  # the run table's
+
+
+def _filters(e: Entry) -> dict[str, str]:
+    """The run's values for the page's run filters."""
+    model, length, mode = view_of(e)
+    scorer, granularity = ("full", "-") if e.is_full else family_of(e)
+    return dict(zip(FILTERS, (model, str(length), mode, str(e.config.get("task")), scorer, granularity,
+                              _text(e.config.get("budget")))))
+
+
+def _css(key: str, kind: str) -> str:
+    """A cell's class: long text wraps (the marks), run ids small, other text left-aligned."""
+    return {"significance": "wrap", "run_id": "run"}.get(key, "text" if kind == "text" else "")
 
 
 def predictions_per_run(runs: int) -> int:

@@ -1,4 +1,5 @@
-"""The report's plots: plotly figures for the page, matplotlib PNG copies beside it.
+"""The report's plots of each task (matplotlib PNGs beside the page; the page's own plot, the answer, is drawn
+in the browser from `report.answer`'s data).
 
 Each takes the lines to draw (label -> runs of `page.Entry`, in order along x) and the full-cache
 reference (its score; for the memory plot its run), as `evalkit.report.page` chose them.
@@ -6,29 +7,12 @@ reference (its score; for the memory plot its run), as `evalkit.report.page` cho
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 
 import matplotlib
-import plotly.graph_objects as go
 from matplotlib.figure import Figure
 
 Lines = dict[str, list]  # label -> runs (evalkit.report.page.Entry), in order along the x axis
-
-
-def block_size_plotly(lines: Lines, full: float | None, setting: str, div_id: str) -> str:
-    figure = go.Figure()
-    for label, members in lines.items():
-        figure.add_trace(go.Scatter(
-            x=[e.config["block_size"] for e in members], y=[100 * e.metrics["score"] for e in members],
-            mode="lines+markers", name=_label(label), customdata=[[_label(e.run_id)] for e in members],
-            hovertemplate="block size %{x}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
-    if full is not None:
-        figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
-    figure.update_layout(title=_label(f"Quality vs block size: {setting}"), xaxis_type="log",
-                         xaxis_title="block size (tokens per page)", yaxis_title="score (%)", yaxis_range=[-3, 103],
-                         template="plotly_white", height=420, showlegend=True)
-    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
 
 
 def block_size_png(lines: Lines, full: float | None, setting: str, path: Path) -> None:
@@ -48,11 +32,6 @@ def block_size_png(lines: Lines, full: float | None, setting: str, path: Path) -
     _save(figure, axes, path)
 
 
-def _label(text: str) -> str:
-    """Plotly reads labels as a small subset of HTML; escape so names are shown, never interpreted."""
-    return html.escape(text, quote=False)  # plotly decodes &lt; &gt; &amp; but shows &quot; as is
-
-
 def _error_bars(members) -> list[list[float]]:
     """[below, above] in points: each run's 95 % interval around its score (0 where it has none)."""
     bars = [[], []]
@@ -62,45 +41,6 @@ def _error_bars(members) -> list[list[float]]:
         bars[0].append(score - 100 * interval.ci_low if known else 0.0)
         bars[1].append(100 * interval.ci_high - score if known else 0.0)
     return bars
-
-
-def quality_plotly(lines: Lines, full: float | None, setting: str, div_id: str) -> str:
-    figure = go.Figure()
-    for series, members in lines.items():
-        below, above = _error_bars(members)
-        figure.add_trace(go.Scatter(
-            x=[e.x for e in members], y=[100 * e.metrics["score"] for e in members], mode="lines+markers",
-            name=_label(series), customdata=[[_label(e.run_id), e.config["budget"]] for e in members],
-            error_y={"type": "data", "symmetric": False, "array": above, "arrayminus": below, "thickness": 1},
-            hovertemplate="budget %{customdata[1]}<br>score %{y:.1f}%<br>%{customdata[0]}<extra></extra>"))
-    if full is not None:
-        figure.add_hline(y=100 * full, line_dash="dash", line_color="gray", annotation_text="full cache")
-    figure.update_layout(title=_label(f"Quality vs budget: {setting}"),
-                         xaxis_title="budget (fraction of the prompt kept)",
-                         yaxis_title="score (%)", yaxis_range=[-3, 103], xaxis_range=[0, 1.02],
-                         template="plotly_white", height=420, showlegend=True)
-    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
-
-
-def memory_plotly(lines: Lines, full, setting: str, div_id: str) -> str:
-    figure = go.Figure()
-    for series, members in lines.items():
-        members = sorted(members, key=lambda e: e.metrics["held_over_full"])
-        figure.add_trace(go.Scatter(
-            x=[100 * e.metrics["held_over_full"] for e in members], y=[100 * e.metrics["score"] for e in members],
-            mode="lines+markers", name=_label(series),
-            customdata=[[e.config["budget"], e.metrics["bytes_held"] / 2**20] for e in members],
-            hovertemplate="budget %{customdata[0]}<br>KV held %{customdata[1]:.1f} MiB (%{x:.1f}% of full)"
-                          "<br>score %{y:.1f}%<extra></extra>"))
-    if full is not None:
-        figure.add_trace(go.Scatter(x=[100 * full.metrics["held_over_full"]], y=[100 * full.metrics["score"]],
-                                    mode="markers", name="full cache", marker={"symbol": "star", "size": 12,
-                                                                               "color": "gray"}))
-    figure.update_layout(title=_label(f"Memory vs quality: {setting}"),
-                         xaxis_title="KV cache held (% of the full cache)",
-                         yaxis_title="score (%)", yaxis_range=[-3, 103], template="plotly_white", height=420,
-                         showlegend=True)
-    return figure.to_html(full_html=False, include_plotlyjs=False, div_id=div_id)
 
 
 def _axes(title: str):
