@@ -343,9 +343,10 @@ def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tm
     assert png.stat().st_size > 0
     html = (tmp_path / "report" / "index.html").read_text()
     assert f'src="{png.name}"' in html
-    from evalkit.report.page import _block_size_lines, load_entries
+    from evalkit.report.page import load_entries
+    from evalkit.report.plots import block_size_lines
 
-    lines = _block_size_lines(load_entries([runs])[0])  # what the PNG draws
+    lines = block_size_lines(load_entries([runs])[0])  # what the PNG draws
     assert sorted(lines) == ["h2o_head_page @ 0.2", "h2o_page @ 0.2"]  # h2o_head: one block size, no line
     line = lines["h2o_head_page @ 0.2"]
     assert [e.config["block_size"] for e in line] == [4, 16, 32] and [e.metrics["score"] for e in line] == [0.9, 0.6, 0.3]

@@ -354,6 +354,17 @@ def test_wandb_records_every_cell_and_the_sweep_curves(swept):
                        ("full cache", 0.1): full, ("full cache", 1.0): full}
     memory = lines("memory_vs_budget")
     assert memory == {(p, b): by_cell[(p, b)]["held_over_full"] for p in POLICIES for b in BUDGETS}
+    # A chart per scorer, a line per granularity (here each scorer ran at one); the cells table says both, so
+    # that a W&B report can group its panels by them (docs/sweeps.md).
+    for policy, scorer in zip(POLICIES, ("h2o", "snapkv", "streaming_llm")):
+        (table,) = sweep_run.glob(f"files/media/table/granularities/ruler-niah_single_2-512/{scorer}_*.table.json")
+        data = json.loads(table.read_text())["data"]
+        assert {(key, x): y for x, key, y in data} == {("head", b): by_cell[(policy, b)]["score"] for b in BUDGETS}
+    (cells,) = sweep_run.glob("files/media/table/cells_*.table.json")
+    cells = json.loads(cells.read_text())
+    assert {"scorer", "granularity", "policy", "budget", "score", "relative_score", "held_over_full", "query_aware",
+            "model", "task", "length"} <= set(cells["columns"])
+    assert {row[cells["columns"].index("granularity")] for row in cells["data"]} == {"head"}
     summary = wandb_summary(records)
     for policy in POLICIES:  # trapezoids over 0.1 -> 0.3 -> 0.5 -> (1, full), over a width of 0.9
         s = [by_cell[(policy, b)]["score"] for b in BUDGETS]

@@ -59,13 +59,20 @@ def answer_data(entries: list) -> dict:
 
 def line_label(e) -> str:
     """The run's series without its query mode, which the view names already."""
-    variant = ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in e.variant.items()
-                        if k != "query_aware")
+    variant = ", ".join(f"{k}={as_text(v)}" for k, v in e.variant.items() if k != "query_aware")
+    return policy_name(e.config) + (f" ({variant})" if variant else "")
+
+
+def policy_name(config: dict) -> str:
+    """The policy that ran, granularity included (a run folder of any evalkit version)."""
     try:
-        name = policy_label(e.config["policy"], e.config.get("granularity"))
+        return policy_label(config["policy"], config.get("granularity"))
     except EvalkitError:  # a policy this evalkit does not know: its name as stored
-        name = str(e.config["policy"])
-    return name + (f" ({variant})" if variant else "")
+        return str(config["policy"])
+
+
+def as_text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def view_of(e) -> tuple[str, object, str]:

@@ -112,3 +112,13 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(file, _CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def is_number(value) -> bool:
+    """A finite int or float (bools are not numbers here; an int too big for a float is not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

@@ -12,15 +12,13 @@ same run (the id hashes the config fields that make the run), shown from the fir
 holds it complete.
 
 The page: the leaderboard (`evalkit.report.leaderboard`), the plots of each setting
-(`evalkit.report.plots` draws what `_lines` and `_block_size_lines` choose), the runs' heatmaps and
+(`evalkit.report.plots`: the PNGs of each task), the runs' heatmaps and
 first predictions, from `assets/index.html.j2`; the command is `evalkit.report.command`.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -35,12 +33,11 @@ from markupsafe import Markup
 from evalkit.config import baseline_for, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies import fraction_of
-from evalkit.policies.base import policy_label
 from evalkit.report import plots as draw
-from evalkit.report.answer import CAN_DO, answer_data, family_of, view_of
+from evalkit.report.answer import CAN_DO, answer_data, as_text, family_of, policy_name, view_of
 from evalkit.report.significance import Marks, significance
-from evalkit.report.leaderboard import (AUC_DEFINITION, AUC_SHORT, COLUMNS, display, leaderboard_rows, quality_auc,
-                                        write_csv)
+from evalkit.report.leaderboard import (AUC_DEFINITION, AUC_SHORT, COLUMNS, display, is_number, leaderboard_rows,
+                                        quality_auc, write_csv)
 from evalkit.results import RunDir, check_writable_folder, read_json
 from evalkit.uncertainty import Interval, score_interval
 
@@ -48,7 +45,6 @@ from evalkit.uncertainty import Interval, score_interval
 # page grows by its leaderboard rows, not by 20 predictions of up to 128 generated tokens a run.
 _PREDICTIONS_PER_RUN = 20
 _PREDICTIONS_ON_PAGE = 1000
-_MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s")  # metrics the report computes with, when present
 _GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "quality-vs-block-size-*.png", "heatmap-*.png")
@@ -99,7 +95,7 @@ def load_entries(folders: Sequence[Path]) -> tuple[list[Entry], list[str]]:
         skipped += reasons if len(folders) == 1 else [f"{runs}: {reason}" for reason in reasons]
     entries = _each_run_once(entries, skipped)
     _place(entries)
-    marks = significance(entries, lambda e: e.records if e.interval is not None else [], _label,
+    marks = significance(entries, lambda e: e.records if e.interval is not None else [], policy_name,
                          fields_where(report="variant"))
     for e in entries:
         e.marks = marks.get(e.run_id)
@@ -118,12 +114,12 @@ def _read_folder(runs: Path) -> tuple[list[Entry], list[str]]:
             skipped.append(f"{folder.name}: {error}")
             continue
         config = provenance.get("config")
-        if not isinstance(config, dict) or not _is_number(config.get("budget")) or "policy" not in config \
-                or not _is_number(metrics.get("score")):
+        if not isinstance(config, dict) or not is_number(config.get("budget")) or "policy" not in config \
+                or not is_number(metrics.get("score")):
             skipped.append(f"{folder.name}: no policy, budget and score (an lm-eval run?)")
             continue
         config.setdefault("policy_args", {})  # runs from before the option: the policy's defaults
-        bad = [key for key in _NUMBERS if key in metrics and not _is_number(metrics[key])]
+        bad = [key for key in _NUMBERS if key in metrics and not is_number(metrics[key])]
         if bad:
             skipped.append(f"{folder.name}: {metrics_path} has {', '.join(bad)} that are not finite numbers")
             continue
@@ -157,19 +153,9 @@ def _interval(metrics: dict, records: list[dict]) -> Interval | None:
     """The run's recorded interval; for a run recorded before intervals existed, one from its predictions."""
     if "ci_method" in metrics:
         return Interval(**{k: metrics.get(k) for k in Interval.__dataclass_fields__})
-    if records and all(_is_number(r.get("score")) for r in records):
+    if records and all(is_number(r.get("score")) for r in records):
         return score_interval(records)
     return None
-
-
-def _is_number(value) -> bool:
-    """A finite int or float (bools are not numbers here; an int too big for a float is not finite)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:
-        return False
 
 
 def _key(config: dict, names) -> str:
@@ -191,14 +177,14 @@ def _place(entries: list[Entry]) -> None:
     varying_variant = [k for k in variants if k != "granularity" and varies(k)]
 
     def label(config, keys):
-        return ", ".join(f"{k}={_text(config.get(k))}" for k in keys)
+        return ", ".join(f"{k}={as_text(config.get(k))}" for k in keys)
 
     for e in entries:
         extra = label(e.config, varying_setting)
         e.setting = f"{e.config.get('task')} @ {e.config.get('length')}" + (f" ({extra})" if extra else "")
         e.variant = {k: e.config.get(k) for k in varying_variant}
         variant = label(e.config, varying_variant)
-        e.series = _label(e.config) + (f" ({variant})" if variant else "")
+        e.series = policy_name(e.config) + (f" ({variant})" if variant else "")
 
     by_setting: dict[str, list[Entry]] = {}
     for e in entries:
@@ -219,18 +205,6 @@ def _place(entries: list[Entry]) -> None:
         for e in group:
             if e.is_full:
                 e.auc = e.metrics["score"]  # the reference's curve is flat at its own score
-
-
-def _label(config: dict) -> str:
-    """The policy that ran, granularity included (a run folder of any evalkit version)."""
-    try:
-        return policy_label(config["policy"], config.get("granularity"))
-    except EvalkitError:  # a policy this evalkit does not know: its name as stored
-        return str(config["policy"])
-
-
-def _text(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 # ---- writing -------------------------------------------------------------------------------------------------
@@ -283,22 +257,7 @@ def _results_folders(runs: Path | Sequence[Path]) -> list[Path]:
 def _write_report(folders: list[Path], entries: list[Entry], skipped: list[str], output: Path) -> Written:
     rows = leaderboard_rows(entries)
     write_csv(rows, output / "leaderboard.csv")
-    settings = list(dict.fromkeys(r["setting"] for r in rows))
-    plots = []
-    for number, setting in enumerate(settings, 1):
-        group = [e for e in entries if e.setting == setting]
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", setting).strip("-")[:60]
-        full_run = next((e for e in group if e.is_full and "held_over_full" in e.metrics), None)
-        figures = [("quality-vs-budget", draw.quality_png, _lines(group), _full_score(group)),
-                   ("memory-vs-quality", draw.memory_png, _lines(group, _MEMORY), full_run)]
-        if _block_size_lines(group):
-            figures.append(("quality-vs-block-size", draw.block_size_png, _block_size_lines(group), _full_score(group)))
-        pngs = []
-        for name, static, lines, reference in figures:
-            png = output / f"{name}-{number}-{slug}.png"
-            static(lines, reference, setting, png)
-            pngs.append(png.name)
-        plots.append((setting, pngs))
+    plots = draw.task_plots(entries, list(dict.fromkeys(r["setting"] for r in rows)), output)
     heatmaps = []
     for e in sorted(entries, key=lambda e: (e.setting, e.series, e.x)):
         source = e.folder / "heatmap.png"
@@ -336,7 +295,7 @@ def _filters(e: Entry) -> dict[str, str]:
     model, length, mode = view_of(e)
     scorer, granularity = ("full", "-") if e.is_full else family_of(e)
     return dict(zip(FILTERS, (model, str(length), mode, str(e.config.get("task")), scorer, granularity,
-                              _text(e.config.get("budget")))))
+                              as_text(e.config.get("budget")))))
 
 
 def _css(key: str, kind: str) -> str:
@@ -350,40 +309,9 @@ def predictions_per_run(runs: int) -> int:
 
 
 def _predictions(e: Entry, count: int) -> dict:
-    shown = [{"id": _text(record.get("id")),
-              "score": display(record.get("score"), "pct")[0] if _is_number(record.get("score")) else "—",
-              "prediction": str(record.get("prediction", "")), "references": _text(record.get("references"))}
+    shown = [{"id": as_text(record.get("id")),
+              "score": display(record.get("score"), "pct")[0] if is_number(record.get("score")) else "—",
+              "prediction": str(record.get("prediction", "")), "references": as_text(record.get("references"))}
              for record in e.records[:count]]
     return {"title": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id, "records": shown,
             "samples": e.metrics.get("samples")}
-
-
-# ---- what each plot draws (evalkit.report.plots draws it) ----------------------------------------------
-
-def _lines(group: list[Entry], needs: tuple[str, ...] = ()) -> dict[str, list[Entry]]:
-    """Entries of each non-full series that have the metrics `needs`, ordered by budget."""
-    lines: dict[str, list[Entry]] = {}
-    for e in sorted(group, key=lambda e: (e.series, e.x)):
-        if not e.is_full and all(isinstance(e.metrics.get(k), (int, float)) for k in needs):
-            lines.setdefault(e.series, []).append(e)
-    return lines
-
-
-def _block_size_lines(group: list[Entry]) -> dict[str, list[Entry]]:
-    """Runs that differ only in block size (same policy, budget and other ways of running), by block size:
-    one line each where at least two block sizes were run."""
-    others = [k for k in fields_where(report="variant") if k not in ("block_size", "granularity")
-              and len({json.dumps(e.config.get(k), default=str) for e in group}) > 1]
-    lines: dict[str, list[Entry]] = {}
-    for e in sorted(group, key=lambda e: e.config.get("block_size") or 0):
-        if not e.is_full and _is_number(e.config.get("block_size")):
-            varied = ", ".join(f"{k}={_text(e.config.get(k))}" for k in others)
-            label = f"{_label(e.config)} @ {e.config['budget']}" + (f" ({varied})" if varied else "")
-            lines.setdefault(label, []).append(e)
-    return {label: members for label, members in lines.items()
-            if len({e.config["block_size"] for e in members}) > 1}
-
-
-def _full_score(group: list[Entry]) -> float | None:
-    fulls = [e for e in group if e.is_full]
-    return fulls[0].metrics["score"] if fulls else None

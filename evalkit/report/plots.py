@@ -7,10 +7,16 @@ reference (its score; for the memory plot its run), as `evalkit.report.page` cho
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import matplotlib
 from matplotlib.figure import Figure
+
+from evalkit.config import fields_where
+from evalkit.report.answer import as_text, policy_name
+from evalkit.report.leaderboard import is_number
 
 Lines = dict[str, list]  # label -> runs (evalkit.report.page.Entry), in order along the x axis
 
@@ -85,3 +91,58 @@ def memory_png(lines: Lines, full, setting: str, path: Path) -> None:
     axes.set_xlabel("KV cache held (% of the full cache)")
     axes.set_ylabel("score (%)")
     _save(figure, axes, path)
+
+
+# ---- what each task's plots draw ----------------------------------------------------------------------------
+
+_MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
+
+
+def task_plots(entries: list, settings: list[str], output: Path) -> list[tuple[str, list[str]]]:
+    """The PNGs of each setting (task @ length ...), written into `output`: (setting, file names) in order."""
+    plots = []
+    for number, setting in enumerate(settings, 1):
+        group = [e for e in entries if e.setting == setting]
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", setting).strip("-")[:60]
+        full_run = next((e for e in group if e.is_full and "held_over_full" in e.metrics), None)
+        figures = [("quality-vs-budget", quality_png, _lines(group), _full_score(group)),
+                   ("memory-vs-quality", memory_png, _lines(group, _MEMORY), full_run)]
+        if block_size_lines(group):
+            figures.append(("quality-vs-block-size", block_size_png, block_size_lines(group), _full_score(group)))
+        pngs = []
+        for name, draw, lines, reference in figures:
+            png = output / f"{name}-{number}-{slug}.png"
+            draw(lines, reference, setting, png)
+            pngs.append(png.name)
+        plots.append((setting, pngs))
+    return plots
+
+
+
+def _lines(group: list, needs: tuple[str, ...] = ()) -> Lines:
+    """Entries of each non-full series that have the metrics `needs`, ordered by budget."""
+    lines: Lines = {}
+    for e in sorted(group, key=lambda e: (e.series, e.x)):
+        if not e.is_full and all(isinstance(e.metrics.get(k), (int, float)) for k in needs):
+            lines.setdefault(e.series, []).append(e)
+    return lines
+
+
+def block_size_lines(group: list) -> Lines:
+    """Runs that differ only in block size (same policy, budget and other ways of running), by block size:
+    one line each where at least two block sizes were run."""
+    others = [k for k in fields_where(report="variant") if k not in ("block_size", "granularity")
+              and len({json.dumps(e.config.get(k), default=str) for e in group}) > 1]
+    lines: Lines = {}
+    for e in sorted(group, key=lambda e: e.config.get("block_size") or 0):
+        if not e.is_full and is_number(e.config.get("block_size")):
+            varied = ", ".join(f"{k}={as_text(e.config.get(k))}" for k in others)
+            label = f"{policy_name(e.config)} @ {e.config['budget']}" + (f" ({varied})" if varied else "")
+            lines.setdefault(label, []).append(e)
+    return {label: members for label, members in lines.items()
+            if len({e.config["block_size"] for e in members}) > 1}
+
+
+def _full_score(group: list) -> float | None:
+    fulls = [e for e in group if e.is_full]
+    return fulls[0].metrics["score"] if fulls else None

@@ -241,4 +241,11 @@ def _log_sweep(plan: SweepPlan, mode: str, sweep_dir: Path, warn) -> None:
                 quality.lines["full cache"] = [(lowest, full), (1.0, full)]
             charts[f"quality_vs_budget/{setting}"] = quality
             charts[f"memory_vs_budget/{setting}"] = memory
+            for scorer in dict.fromkeys(r["scorer"] for r in here):  # W&B groups a scorer's granularities
+                by_granularity = wandb_mirror.LineSeries(f"{scorer} by granularity: {setting}", "budget", "score")
+                policies = {r["policy"]: r["granularity"] for r in here if r["scorer"] == scorer}
+                for policy, granularity in policies.items():  # a line per granularity, or per variant of one
+                    alone = list(policies.values()).count(granularity) == 1
+                    by_granularity.lines[granularity if alone else policy] = quality.lines[policy]
+                charts[f"granularities/{setting}/{scorer}"] = by_granularity
     wandb_mirror.log_sweep(mode, sweep_dir, plan.sweep_id, plan.settings, rows, charts, summary, warn)

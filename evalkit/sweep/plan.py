@@ -23,7 +23,7 @@ from evalkit.config import RunConfig, baseline_for, parse_policy_args, parse_tas
 from evalkit.errors import EvalkitError
 from evalkit.models import model_source
 from evalkit.policies import fraction_of, parse_budget
-from evalkit.policies.base import policy_label
+from evalkit.policies.base import policy_family, policy_label
 from evalkit.results import RunDir
 from evalkit.runner import prefill_key
 from evalkit.tasks.custom import is_data_task
@@ -313,8 +313,10 @@ def sweep_rows(plan: SweepPlan) -> list[dict]:
             continue
         m, c = run_dir.metrics(), cell.config
         base = baseline_for(c.to_dict(), baselines)
+        scorer, granularity = policy_family(c.policy, c.granularity)
         rows.append({
             "run_id": cell.run_id, "task": c.task, "length": c.length, "policy": cell.policy, "budget": c.budget,
+            "scorer": scorer, "granularity": granularity.value, "query_aware": c.query_aware, "model": c.model,
             "budget_fraction": fraction_of(c.budget, m.get("prompt_tokens")), "score": m["score"],
             "full_cache_score": base["score"] if base else None,
             "relative_score": m["score"] / base["score"] if base and base["score"] else None,
