@@ -361,7 +361,7 @@ def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tm
 def test_the_answer_averages_the_tasks_the_model_can_do_relative_to_their_full_cache(tmp_path):
     """Tasks whose full cache scores under a third are left out; a point is the mean relative score over the
     others, its error bar the mean's from the runs' intervals; a row counts its significant paired tests."""
-    from evalkit.report.answer import answer_data
+    from evalkit.report.answer import answer_data, headline
     from evalkit.report.page import load_entries
     from evalkit.uncertainty import score_interval
 
@@ -402,6 +402,18 @@ def test_the_answer_averages_the_tasks_the_model_can_do_relative_to_their_full_c
     assert (rows["h2o_head"]["wins"], rows["h2o_head"]["losses"]) == (0, 2)
     assert [t["task"] for t in rows["h2o_head"]["tasks"]] == ["ruler:a", "ruler:b"]
     assert rows["h2o_head"]["tasks"][1] == {"task": "ruler:b", "full": 0.5, "relative": {"0.2": 0.5, "0.5": 0.5}}
+    # The headline (README's figure): the granularities compared, a line each, over the scorers run at all of them
+    _write_run(runs, "a-snapkv_head-0.2", {"task": "ruler:a", "length": 1024, "samples": 20, "model": "m", "seed": 0,
+                                          "query_aware": True, "policy": "snapkv_head", "budget": 0.2},
+               {**_metrics(0.0, 0.2), "samples": 20}, records["a", "h2o_head", 0.2])  # no per-head pages: not in it
+    data = answer_data(load_entries([runs])[0])
+    (view,) = headline(data).items()
+    assert view[0] == ("m", 1024, "question seen") and view[1]["scorers"] == ["h2o"]
+    assert view[1]["budgets"] == [0.2, 0.5]
+    assert view[1]["lines"] == {"head": [points["h2o_head", b]["relative"] for b in (0.2, 0.5)],
+                                "head_page": [points["h2o_head_page", b]["relative"] for b in (0.2, 0.5)]}
+    build_report(runs, tmp_path / "report")
+    assert (tmp_path / "report" / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- several results folders --------------------------------------------------------------------------------

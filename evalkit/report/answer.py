@@ -47,7 +47,7 @@ def answer_data(entries: list) -> dict:
         scorer, granularity = family_of(members[0])
         line = _points(members)
         view = {"model": model, "length": length, "mode": mode, "series": series, "scorer": scorer,
-                "granularity": granularity}
+                "granularity": granularity, "plain": series == policy_name(members[0].config)}
         points += [{**view, **point} for point in line]
         auc = quality_auc([(p["x"], p["relative"]) for p in line], starts[(model, length, mode)], 1.0)
         wins, losses = _record(members)
@@ -55,6 +55,34 @@ def answer_data(entries: list) -> dict:
                      "budgets": {_budget(p["budget"]): {"relative": p["relative"], "held_over_full": p["held_over_full"]}
                                  for p in line}})
     return {"points": points, "rows": rows, "can_do": CAN_DO}
+
+
+GRANULARITIES = ("head", "head_page", "token", "page")  # the headline's lines, in its legend's order
+
+
+def headline(data: dict) -> dict[tuple, dict]:
+    """Per view: the granularities most of its scorers were run at plainly (no other variant; all four where
+    any scorer was, two on a model with one KV head), the scorers run at all of them, and per granularity its
+    relative score at each budget they all ran, averaged over those scorers (each its mean over its tasks).
+    {view: {"scorers": [...], "budgets": [...], "lines": {granularity: [relative, ...]}}}; views with no two
+    granularities to compare are left out."""
+    by_view: dict[tuple, dict] = defaultdict(dict)
+    for p in data["points"]:
+        if p["plain"] and p["granularity"] in GRANULARITIES:
+            by_view[(p["model"], p["length"], p["mode"])][p["scorer"], p["granularity"], p["budget"]] = p["relative"]
+    found = {}
+    for view, relative in sorted(by_view.items(), key=lambda item: str(item[0])):
+        ran = {s: frozenset(g for t, g, _ in relative if t == s) for s, _, _ in relative}
+        compared = max(set(ran.values()), key=lambda gs: (len(gs), sum(gs <= other for other in ran.values())))
+        scorers = sorted(s for s, gs in ran.items() if compared <= gs)
+        lines = [g for g in GRANULARITIES if g in compared]
+        budgets = sorted({b for s, _, b in relative if s in scorers}, key=float)
+        budgets = [b for b in budgets if all((s, g, b) in relative for s in scorers for g in lines)]
+        if len(lines) > 1 and budgets:
+            found[view] = {"scorers": scorers, "budgets": budgets,
+                           "lines": {g: [sum(relative[s, g, b] for s in scorers) / len(scorers) for b in budgets]
+                                     for g in lines}}
+    return found
 
 
 def line_label(e) -> str:

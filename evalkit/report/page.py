@@ -34,7 +34,7 @@ from evalkit.config import baseline_for, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies import fraction_of
 from evalkit.report import plots as draw
-from evalkit.report.answer import CAN_DO, answer_data, as_text, family_of, policy_name, view_of
+from evalkit.report.answer import CAN_DO, answer_data, as_text, family_of, headline, policy_name, view_of
 from evalkit.report.significance import Marks, significance
 from evalkit.report.leaderboard import (AUC_DEFINITION, AUC_SHORT, COLUMNS, display, is_number, leaderboard_rows,
                                         quality_auc, write_csv)
@@ -47,7 +47,8 @@ _PREDICTIONS_PER_RUN = 20
 _PREDICTIONS_ON_PAGE = 1000
 _NUMBERS = ("samples", "bytes_held", "held_over_full", "prompt_tokens", "prefill_tokens_per_s",
             "decode_tokens_per_s")  # metrics the report computes with, when present
-_GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "quality-vs-block-size-*.png", "heatmap-*.png")
+_GENERATED = ("quality-vs-budget-*.png", "memory-vs-quality-*.png", "quality-vs-block-size-*.png", "heatmap-*.png",
+              "headline.png")
 # Written beside index.html by every report (the same bytes each time).
 
 
@@ -267,6 +268,10 @@ def _write_report(folders: list[Path], entries: list[Entry], skipped: list[str],
             heatmaps.append({"caption": f"{e.setting}: {e.series} @ {e.config['budget']}", "run_id": e.run_id,
                              "png": png.name})
 
+    answer = answer_data(entries)
+    views = headline(answer)
+    if views:
+        draw.headline_png(views, output / "headline.png")
     by_id = {e.run_id: e for e in entries}
     table = [{"cells": [(*display(row[key], kind, row["lower_is_better"]), _css(key, kind)) for _, key, kind in COLUMNS],
               "filters": _filters(by_id[row["run_id"]])} for row in rows]
@@ -275,7 +280,7 @@ def _write_report(folders: list[Path], entries: list[Entry], skipped: list[str],
     (output / "report.js").write_text((assets / "report.js").read_text())
     shown = predictions_per_run(len(entries))
     # JSON inside <script>: no "<" can close the element, whatever a run folder's strings hold
-    answer = json.dumps(answer_data(entries), sort_keys=True).replace("<", "\\u003c")
+    answer = json.dumps(answer, sort_keys=True).replace("<", "\\u003c")
     html = jinja2.Environment(autoescape=True).from_string((assets / "index.html.j2").read_text()).render(
         columns=[heading for heading, _, _ in COLUMNS], headline=[key for _, key, _ in COLUMNS].index("auc"),
         table=table, plots=plots, heatmaps=heatmaps, filters=list(FILTERS), answer_json=Markup(answer),

@@ -146,3 +146,32 @@ def block_size_lines(group: list) -> Lines:
 def _full_score(group: list) -> float | None:
     fulls = [e for e in group if e.is_full]
     return fulls[0].metrics["score"] if fulls else None
+
+
+_NAMED = {"head": ("per-head tokens", "C0"), "head_page": ("per-head pages", "C1"), "token": ("shared tokens", "C2"),
+          "page": ("shared pages", "C3")}  # the headline's granularities: legend and colour, the same in every panel
+
+
+def headline_png(views: dict[tuple, dict], path: Path) -> None:
+    """The answer at a glance (`answer.headline`): a panel per model × length × mode, a line per granularity."""
+    columns = min(4, len(views))
+    rows = -(-len(views) // columns)
+    figure = Figure(figsize=(3.6 * columns, 2.9 * rows + 0.6), dpi=110)
+    for number, ((model, length, mode), view) in enumerate(views.items(), 1):
+        axes = figure.add_subplot(rows, columns, number)
+        for granularity, relative in view["lines"].items():
+            axes.plot([float(b) for b in view["budgets"]], [100 * r for r in relative], marker="o",
+                      color=_NAMED[granularity][1], label=granularity)
+        axes.axhline(100, color="gray", linestyle="--", linewidth=0.8)
+        axes.set_title(f"{model}, {length} tokens, {mode}\n{', '.join(view['scorers'])}", fontsize=8)
+        axes.set_ylim(0, 110)
+        axes.tick_params(labelsize=7)
+        axes.grid(alpha=0.3)
+    shown = {label: handle for axes in figure.axes for handle, label in zip(*axes.get_legend_handles_labels())}
+    order = [g for g in _NAMED if g in shown]
+    figure.legend([shown[g] for g in order], [_NAMED[g][0] for g in order], loc="upper center", ncol=4, fontsize=9,
+                  frameon=False)
+    figure.supxlabel("budget (fraction of the prompt kept)", fontsize=9)
+    figure.supylabel("score / full cache (%), mean over the scorers named", fontsize=9)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.5 / figure.get_figheight()))
+    figure.savefig(path)
