@@ -37,9 +37,21 @@ def kept_positions(keep, positions):
     return [[set(positions[b, h][keep[b, h]].tolist()) for h in range(H)] for b in range(B)]
 
 
-def test_granularities_are_the_four_of_the_rule_book():
-    assert set(GRANULARITIES) == {"head", "token", "page", "head_page"}
-    assert set(PAGE_GRANULARITIES) == {"page", "head_page"}
+def test_each_granularity_keeps_what_its_name_says():
+    """Shared granularities keep one set for all heads, per-head ones a set each; page granularities keep whole
+    pages. Heads that rank opposite ways tell them apart: a granularity added or labelled wrong fails here."""
+    T, block = 16, 4
+    ranks = torch.arange(T, dtype=torch.float32)
+    scores = torch.stack([ranks, ranks.flip(0)])[None]  # [1, 2, 16]: head 0 wants the end, head 1 the start
+    scores = scores + 0.5 * (torch.arange(T) % 2)  # and, within a page, odd positions: no page is kept whole
+    kept = {g: kept_positions(keep_mask(scores, ordered_positions(1, 2, T), torch.tensor([T]), torch.tensor([6]), g,
+                                        block_size=block), ordered_positions(1, 2, T))[0] for g in GRANULARITIES}
+    for granularity, (head_0, head_1) in kept.items():
+        shared = granularity in ("token", "page")
+        assert (head_0 == head_1) == shared, granularity
+        for head in (head_0, head_1):
+            whole_pages = all(set(range(p - p % block, p - p % block + block)) <= head for p in head)
+            assert whole_pages == (granularity in PAGE_GRANULARITIES), (granularity, head)
 
 
 # --- granularity "head" ------------------------------------------------------------------------
