@@ -167,9 +167,14 @@ def test_the_8b_shape_is_refused_on_a_cpu(script, tmp_path):
 
 
 def test_the_8b_config_has_llama_31_shape(script):
+    """Built on the meta device (no memory), the config's model has Llama-3.1-8B's published parameter count,
+    8,030,261,248: a wrong width, depth, head or vocabulary size would not."""
+    from transformers import LlamaForCausalLM
+
     config = script.llama_8b_config()
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
-            config.intermediate_size, config.vocab_size) == (4096, 32, 32, 8, 14336, 128256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
     assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["rope_theta"] == 500000.0
     assert config.max_position_embeddings >= 65536 and config.head_dim == 128
     tiny = script.tiny_config()

@@ -15,25 +15,44 @@ from evalkit.policies import make_policy
 from evalkit.policies.base import policy_label
 from evalkit.policies.budget import at_least_one_page, check_budget, fraction_of, tokens_for, tokens_of
 from evalkit.report.page import Entry, _place
+from evalkit.runner import prefill_key
 
 
-def test_field_groups_are_the_lists_they_replaced():
-    # The lists the runner, the report and the run id kept before the groups were declared on the fields.
-    assert set(fields_where(in_id=False)) == {"out", "wandb", "batch_size", "kernels"}
-    assert set(fields_where(data=True)) == {"data_format", "metric", "limit", "offset", "data_sha256",
-                                            "question_split"}
-    assert set(fields_where(baseline=True)) == {"task", "task_args", "length", "samples", "model", "seed",
-                                                "temperature", "dtype", "data_format", "metric", "offset",
-                                                "data_sha256"}
-    assert set(fields_where(after_prefill=True)) == {"policy", "budget", "granularity", "policy_args", "layout",
-                                                     "block_size", "pool_pages", "decode_eviction", "temperature",
-                                                     "out", "wandb", "sliding_layers"}
-    assert set(fields_where(report="ignored")) == {"out", "wandb", "batch_size", "device", "kernels"}
-    assert set(fields_where(report="variant")) == {"granularity", "policy_args", "layout", "block_size", "prefill",
-                                                   "chunk_size", "query_aware", "decode_eviction", "pool_pages",
-                                                   "sliding_layers"}
-    assert set(fields_where(report="curve")) == {"policy", "budget"}
-    assert all(f.metadata for f in fields(RunConfig))  # every field says its groups
+# Another value of each field, to see what changing it changes (the groups declared on the fields say what).
+OTHER_VALUE = {
+    "policy": "snapkv_head", "budget": 0.5, "task": "ruler:vt", "task_args": {"x": "1"}, "length": 4096,
+    "samples": 20, "model": "gemma3-270m", "layout": "dense", "block_size": 8, "granularity": "head_page",
+    "policy_args": {"sink_tokens": "4"}, "prefill": "chunked", "chunk_size": 256, "query_aware": False,
+    "decode_eviction": False, "sliding_layers": "window", "temperature": 0.7, "seed": 1, "batch_size": 4,
+    "pool_pages": 1000, "dtype": "float32", "device": "cpu", "out": "elsewhere", "wandb": "off", "kernels": "torch",
+    "data_format": "kvpress", "metric": "f1", "limit": 5, "offset": 2, "data_sha256": "ab" * 32,
+    "question_split": True,
+}
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(RunConfig)])
+def test_each_fields_groups_say_what_changing_it_changes(name):
+    """A field in the run id changes the id; a baseline field parts a run from a full-cache run that differs in
+    it; a field after the prefill leaves the shared prefill's key as it is; and in the report a setting field
+    parts the runs' settings, a variant field their series within one setting, an ignored one neither."""
+    run = RunConfig(policy="h2o_head")
+    changed = RunConfig(**{**run.to_dict(), name: OTHER_VALUE[name]})
+    if name in fields_where(data=True):  # a data file's options: nothing to a registered task, its id unchanged
+        assert changed.run_id() == run.run_id()
+        run = RunConfig(policy="h2o_head", task="jsonl:records.jsonl")
+        changed = RunConfig(**{**run.to_dict(), name: OTHER_VALUE[name]})
+    assert (changed.run_id() != run.run_id()) == (name in fields_where(in_id=True)), name
+    full = {**changed.to_dict(), "policy": "full", "budget": 1.0}
+    assert (baseline_for(run.to_dict(), [(full, {"score": 1})]) is None) == (name in fields_where(baseline=True))
+    if name not in ("prefill", "task"):  # chunked prefill, perplexity: no shared prefill at all
+        assert (prefill_key(changed) == prefill_key(run)) == (name in fields_where(after_prefill=True)), name
+    if name in ("policy", "budget"):  # the report's curve: along a series' line
+        return
+    entries = [entry("a", **run.to_dict()), entry("b", **changed.to_dict())]
+    _place(entries)
+    role = next(f.metadata["report"] for f in fields(RunConfig) if f.name == name)
+    assert (entries[0].setting != entries[1].setting) == (role == "setting"), name
+    assert (entries[0].series != entries[1].series) == (role == "variant"), name
 
 
 def test_the_default_run_keeps_its_id():
