@@ -41,7 +41,7 @@ test-fast: setup
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench
 
-# The study's sweeps, in the order of docs/granularity.md's plan (a finished one checks itself and stops);
+# The study's sweeps, in the order of docs/granularity-notebook.md's plan (a finished one checks itself and stops);
 # each resumes where it stopped. `make -j2 study`: two at a time, one torch thread each
 # (on the busy 2-core machine one thread a process was 2.9x faster than two, docs/sweeps.md). study-X runs
 # configs/study/X.yaml (the sequel's grids), granularity-X configs/granularity/X.yaml (the 2,048-token ones).
