@@ -164,7 +164,7 @@ def heatmap(
 def policies():
     """List the registered policies: one row per scorer family, with its name at each granularity."""
     from evalkit.policies import POLICIES, policy_args  # torch: imported here (start-up)
-    from evalkit.policies.base import policy_family
+    from evalkit.policies.names import policy_family
 
     families: dict[str, list[str]] = {}
     for name in POLICIES.names():

@@ -17,7 +17,7 @@ from evalkit.models import check_device, model_config, window
 from evalkit.loop import GenerationSettings
 from evalkit.loop.state import SLIDING_LAYERS
 from evalkit.policies import POLICIES, Budget, make_policy, parse_budget
-from evalkit.policies.base import policy_label, refuse_contradiction
+from evalkit.policies.names import policy_label, refuse_contradiction
 from evalkit.policies.budget import TOKEN_LIMIT
 from evalkit.tasks import TASKS
 from evalkit.tasks.custom import DataTask, is_data_task, make_task, run_label

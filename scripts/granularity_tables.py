@@ -72,7 +72,7 @@ from statsmodels.stats.multitest import multipletests
 
 from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import policy_family, policy_label
+from evalkit.policies.names import policy_family, policy_label
 from evalkit.results import RunDir
 from evalkit.uncertainty import ALPHA, Comparison, compare, score_interval
 

@@ -12,7 +12,7 @@ from evalkit.config import RunConfig, baseline_for, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings
 from evalkit.policies import make_policy
-from evalkit.policies.base import policy_label
+from evalkit.policies.names import policy_label
 from evalkit.policies.budget import at_least_one_page, check_budget, fraction_of, tokens_for, tokens_of
 from evalkit.report.page import Entry, _place
 from evalkit.runner import prefill_key

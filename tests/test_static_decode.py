@@ -14,7 +14,7 @@ from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.loop.generate import start
 from evalkit.loop.static_decode import StaticStep, policy_refusal, static_step
 from evalkit.policies import PAGE_GRANULARITIES, make_policy
-from evalkit.policies.base import POLICIES
+from evalkit.policies.names import POLICIES
 
 MAX_NEW = 10
 

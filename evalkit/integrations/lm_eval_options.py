@@ -22,7 +22,7 @@ from evalkit.config import DTYPES, SEED_LIMIT, choice
 from evalkit.errors import EvalkitError
 from evalkit.kernels import KERNEL_MODES
 from evalkit.policies import POLICIES, make_policy, parse_budget
-from evalkit.policies.base import refuse_contradiction
+from evalkit.policies.names import refuse_contradiction
 
 MODEL_NAME = "evalkit"
 RESULTS_KEY = "evalkit"  # lm-eval puts get_model_info() into results["config"]: ours lives under this key

@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import Policy, ScoreInput, arg, register_presets, register_wrapper
+from evalkit.policies.base import Policy, ScoreInput, arg
+from evalkit.policies.names import register_presets, register_wrapper
 from evalkit.policies.scorers import SCORERS
 
 FIRST_STAGE = 2.0 ** 100  # the score of a first-stage pick: above any second-stage score, finite in page sums

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import PROMPT, POLICIES, Policy, ScoreInput, _arg_name, arg
+from evalkit.policies.base import PROMPT, Policy, ScoreInput, _arg_name, arg
+from evalkit.policies.names import POLICIES
 from evalkit.policies.duo_calibration import CALIBRATION_TEXTS, CALIBRATION_TOKENS, calibrated_head_scores
 from evalkit.policies.selection import Granularity
 

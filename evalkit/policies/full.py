@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import POLICIES, Policy, ScoreInput
+from evalkit.policies.base import Policy, ScoreInput
+from evalkit.policies.names import POLICIES
 
 
 @dataclass

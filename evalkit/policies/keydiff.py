@@ -3,7 +3,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from evalkit.policies.base import Policy, ScoreInput, register_presets
+from evalkit.policies.base import Policy, ScoreInput
+from evalkit.policies.names import register_presets
 
 
 @dataclass

@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import arg, register_presets
+from evalkit.policies.base import arg
+from evalkit.policies.names import register_presets
 from evalkit.policies.snapkv import SnapKV
 
 

@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import POLICIES, Policy, ScoreInput, arg
+from evalkit.policies.base import Policy, ScoreInput, arg
+from evalkit.policies.names import POLICIES
 from evalkit.policies.selection import Granularity
 
 

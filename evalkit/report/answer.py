@@ -25,7 +25,7 @@ import math
 from collections import defaultdict
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import policy_family, policy_label
+from evalkit.policies.names import policy_family, policy_label
 from evalkit.report.leaderboard import quality_auc
 
 CAN_DO = 1 / 3  # the full cache's score from which a task counts for a model

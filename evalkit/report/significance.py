@@ -11,7 +11,7 @@ from typing import Callable
 from statsmodels.stats.multitest import multipletests
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import policy_family
+from evalkit.policies.names import policy_family
 from evalkit.uncertainty import ALPHA, compare
 
 

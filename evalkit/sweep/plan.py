@@ -23,7 +23,7 @@ from evalkit.config import RunConfig, baseline_for, parse_policy_args, parse_tas
 from evalkit.errors import EvalkitError
 from evalkit.models import model_source
 from evalkit.policies import fraction_of, parse_budget
-from evalkit.policies.base import policy_family, policy_label
+from evalkit.policies.names import policy_family, policy_label
 from evalkit.results import RunDir
 from evalkit.runner import prefill_key
 from evalkit.tasks.custom import is_data_task
