@@ -53,6 +53,7 @@ def test_report_of_the_sweep_has_every_run_its_numbers_and_plots(sweep_report):
         m = metrics[row["run_id"]]
         assert float(row["score"]) == pytest.approx(m["score"])
         assert float(row["held_over_full"]) == pytest.approx(m["held_over_full"])
+        assert float(row["held_over_ideal"]) == pytest.approx(m["held_over_ideal"]) and m["held_over_ideal"] >= 1
         assert float(row["decode_tokens_per_s"]) == pytest.approx(m["decode_tokens_per_s"])
         if full:
             assert float(row["relative_score"]) == pytest.approx(m["score"] / full)

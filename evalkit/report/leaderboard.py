@@ -32,11 +32,12 @@ COLUMNS = [  # the page's run table: (heading, key in a row, display format); th
     ("score", "score", "score"), ("95% CI", "ci", "ci"),
     ("score / full", "relative_score", "pct"), ("significant", "significance", "text"),
     ("KV held MiB", "mib_held", "num1"), ("KV held / full", "held_over_full", "pct"),
+    ("held / ideal", "held_over_ideal", "num3"),
     ("samples", "samples", "num0"), ("run", "run_id", "text"),
 ]  # the tokens per second are in the CSV
 _CSV_COLUMNS = ["task", "length", "setting", "policy", "series", "budget", "budget_fraction", "auc", "relative_auc",
                 "score", "ci_low", "ci_high", "relative_score", "full_cache_score", "p_vs_full", "significance",
-                "bytes_held", "held_over_full",
+                "bytes_held", "held_over_full", "held_over_ideal",
                 "prefill_tokens_per_s", "decode_tokens_per_s", "samples", "run_id"]
 
 
@@ -66,7 +67,8 @@ def leaderboard_rows(entries: list) -> list[dict]:
             "auc": e.auc, "relative_auc": e.relative(e.auc), "score": m["score"],
             "relative_score": e.relative(m["score"]), "full_cache_score": e.baseline["score"] if e.baseline else None,
             "bytes_held": m.get("bytes_held"), "mib_held": m["bytes_held"] / 2**20 if "bytes_held" in m else None,
-            "held_over_full": m.get("held_over_full"), "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
+            "held_over_full": m.get("held_over_full"), "held_over_ideal": m.get("held_over_ideal"),
+            "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
             "decode_tokens_per_s": m.get("decode_tokens_per_s"), "samples": m.get("samples"), "run_id": e.run_id,
             **_uncertainty(e),
         })
@@ -103,7 +105,7 @@ def display(value, kind: str, lower_is_better: bool = False) -> tuple[str, str]:
         return f"{100 * value:.1f}", repr(float(value))
     if kind == "budget":
         return str(value), repr(float(value))
-    digits = {"num0": 0, "num1": 1, "num2": 2}[kind]
+    digits = {"num0": 0, "num1": 1, "num2": 2, "num3": 3}[kind]
     return f"{value:.{digits}f}", repr(float(value))
 
 
