@@ -162,6 +162,9 @@ _MODEL_TESTS = {
         "test_a_saved_dataset_and_a_data_folder_load_through_datasets": ALL_CASES,
         "test_make_task_builds_the_data_task_the_config_resolved": ALL_CASES,
     },
+    "test_duo_attention": {  # its refusal names the default model's positions (its config.json)
+        "test_cli_refuses_a_length_no_longer_than_the_window_with_no_run_folder": ALL_CASES,
+    },
     "test_floor": {"*": ALL_CASES},  # the default model finds RULER's needles at 2k tokens
     "test_gemma3": {"test_evalkit_run_on_gemma3_end_to_end": ALL_CASES},  # `evalkit run --model gemma3-270m`
     "test_lm_eval": {

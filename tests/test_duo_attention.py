@@ -268,28 +268,31 @@ def test_head_scores_are_computed_once_per_model_and_kept_on_disk(monkeypatch, t
     monkeypatch.setattr(duo_calibration, "text_scores",
                         lambda model, texts: calls.append(len(texts)) or real(model, texts))
     monkeypatch.setattr(duo_calibration, "_cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(duo_calibration, "_SCORES", {})
     model = tiny_model("llama", seed=11)
     first = duo_calibration.calibrated_head_scores(model)
     assert sum(calls) == duo_calibration.CALIBRATION_TEXTS
-    assert duo_calibration.calibrated_head_scores(tiny_model("llama", seed=11)) is first  # same weights: this process
+    assert duo_calibration.calibrated_head_scores(model) is first  # the same model: kept on it
     assert not list(tmp_path.iterdir())  # a model built from a config has no folder to key a file on
+    twin = duo_calibration.calibrated_head_scores(tiny_model("llama", seed=11))  # the same weights, a new object
+    assert sum(calls) == 2 * duo_calibration.CALIBRATION_TEXTS and torch.equal(twin, first)
     other = duo_calibration.calibrated_head_scores(tiny_model("llama", seed=12))
-    assert sum(calls) == 2 * duo_calibration.CALIBRATION_TEXTS and not torch.equal(first, other)
+    assert sum(calls) == 3 * duo_calibration.CALIBRATION_TEXTS and not torch.equal(first, other)
 
-    named = tiny_model("llama", seed=11)
-    named.config.name_or_path = "some/folder"
     bytes_tokenizer = lambda text: {"input_ids": [b % 128 for b in text.encode("utf-8")]}  # noqa: E731
-    on_disk = duo_calibration.calibrated_head_scores(named, bytes_tokenizer)
-    assert sum(calls) == 2 * duo_calibration.CALIBRATION_TEXTS  # the same ids as the bytes fallback: same key
-    monkeypatch.setattr(duo_calibration, "_SCORES", {})  # a new process
-    again = duo_calibration.calibrated_head_scores(named, bytes_tokenizer)
-    assert sum(calls) == 3 * duo_calibration.CALIBRATION_TEXTS  # computed once more, then written
+
+    def named():  # a model loaded from a folder, as a new process loads it
+        loaded = tiny_model("llama", seed=11)
+        loaded.config.name_or_path = "some/folder"
+        return loaded
+
+    again = duo_calibration.calibrated_head_scores(named(), bytes_tokenizer)
+    assert sum(calls) == 4 * duo_calibration.CALIBRATION_TEXTS  # computed, then written
     saved, = tmp_path.iterdir()
     assert json.loads(saved.read_text())["scores"] == again.tolist()
-    monkeypatch.setattr(duo_calibration, "_SCORES", {})
-    assert torch.equal(duo_calibration.calibrated_head_scores(named, bytes_tokenizer), again)
-    assert sum(calls) == 3 * duo_calibration.CALIBRATION_TEXTS and torch.allclose(on_disk, again)
+    assert torch.equal(duo_calibration.calibrated_head_scores(named(), bytes_tokenizer), again)  # read back
+    assert sum(calls) == 4 * duo_calibration.CALIBRATION_TEXTS and torch.allclose(first, again)
+    assert not any(isinstance(value, dict) and value for name, value in vars(duo_calibration).items()
+                   if not name.startswith("__"))  # no state in the module
 
 
 # --- refusals ------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ ships, and cached per model: in this process, and on disk for a model loaded fro
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -21,16 +20,18 @@ CALIBRATION_TEXTS = 4
 CALIBRATION_TOKENS = 1024
 TEXTS_PER_FORWARD = 2  # calibration texts per forward (all their hidden states are held at once)
 QUERY_LENGTH = 500  # kvpress's q_len: the mean query and key repeated at positions 0 .. 499
-_SCORES: dict[str, torch.Tensor] = {}  # calibration key -> head scores [L, H_kv], for this process
+_ON_MODEL = "_evalkit_duo_head_scores"  # the model's own cache: calibration key -> head scores [L, H_kv]
 
 
 def calibrated_head_scores(model, tokenizer=None) -> torch.Tensor:
-    """[L, H_kv] float32: the model's heads scored on the fly, cached per model (weights and calibration text)
-    in this process and, for a model loaded from a folder or hub id, under `evalkit.assets.cache_root()`."""
+    """[L, H_kv] float32: the model's heads scored on the fly, kept on the model object (by weights and
+    calibration text: a run's cells share them) and, for a model loaded from a folder or hub id, under
+    `evalkit.assets.cache_root()` (a later process reads them back)."""
     ids = calibration_ids(model, tokenizer)
     key = _calibration_key(model, ids)
-    if key in _SCORES:
-        return _SCORES[key]
+    kept = model.__dict__.setdefault(_ON_MODEL, {})
+    if key in kept:
+        return kept[key]
     path = _cache_path(model, key)
     if path is not None and path.exists():
         scores = torch.tensor(json.loads(path.read_text())["scores"])
@@ -39,7 +40,7 @@ def calibrated_head_scores(model, tokenizer=None) -> torch.Tensor:
         if path is not None:
             _write(path, {"model": model.config.name_or_path, "texts": len(ids), "tokens": CALIBRATION_TOKENS,
                           "q_len": QUERY_LENGTH, "scores": scores.tolist()})
-    _SCORES[key] = scores
+    kept[key] = scores
     return scores
 
 
@@ -71,7 +72,6 @@ def score_heads(model, texts: list[list[int]]) -> torch.Tensor:
     return torch.cat(per_text).mean(0)
 
 
-@functools.lru_cache(maxsize=4)
 def _tokenizer(name: str):
     """The tokenizer of a model's folder or hub id (kvpress loads it from the model's name_or_path too)."""
     from transformers import AutoTokenizer
