@@ -33,10 +33,11 @@ run: setup
 test: setup browser
 	$(OFFLINE) $(VENV)/bin/pytest -q
 
-# The fast tier (about a minute on 2 cores): the tests that need none of the default model's files (not even
-# its tokenizer) and take under 2 s each; tests/conftest.py marks the others `model` (Chromium's among them).
+# The fast tier (71 s on an idle 2-core machine): the tests that need none of the default model's files (not
+# even its tokenizer) and take under 2 s each, and one in four of the oracle's cases; tests/conftest.py marks the
+# others `model` (Chromium's among them). Two pytest-xdist workers, one torch thread each.
 test-fast: setup
-	$(OFFLINE) $(VENV)/bin/pytest -q -m "not model"
+	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/pytest -q -n 2 -m "not model"
 
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench
