@@ -24,7 +24,8 @@ from evalkit.attention import PromptRecord, evalkit_attention, store_statistic
 from evalkit.cache import KVCache
 from evalkit.loop.compression import slots_to_keep
 from evalkit.loop.reconstruction import reconstruct, reconstruction_prompts
-from evalkit.loop.state import GenerationSettings, LoopState, Request, forward, left_padded, new_cache, split_prompts
+from evalkit.loop.state import (GenerationSettings, LoopState, Request, advance, forward, left_padded, new_cache,
+                                 split_prompts)
 from evalkit.policies import Policy, make_policy
 from evalkit.policies.query_moments import QueryMoments
 
@@ -151,10 +152,7 @@ class SharedPrefill:
 
     def _advance(self, state: LoopState, valid: torch.Tensor, key: tuple | None) -> None:
         """The branch has seen the prompts, scored when it stored a statistic (`key`)."""
-        counts = valid.sum(1).cpu()
-        state.seen += counts
-        if key is not None:
-            state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
+        advance(state.seen, state.stat_end, valid.sum(1).cpu(), scored=key is not None)
         if key in self.reconstruction_seconds:
             state.reconstruction_seconds = self.reconstruction_seconds[key]
 

@@ -133,11 +133,23 @@ def forward_inputs(state: LoopState, tokens: list[list[int]]):
 
 def fed(state: LoopState, counts: torch.Tensor) -> None:
     """Account for a forward that fed `counts` [B] tokens per sequence."""
-    state.seen += counts
-    if state.collect is not None:
-        state.stat_end = torch.where(counts > 0, state.seen, state.stat_end)
+    advance(state.seen, state.stat_end, counts, scored=state.collect is not None)
     if state.observe:
         state.observe("forward", state.cache)
+
+
+def advance(seen: torch.Tensor, stat_end: torch.Tensor, counts: torch.Tensor | None, scored: bool) -> None:
+    """The one place the loop's counters move, in place (a static step's are captured in a CUDA graph): `seen`
+    [B] by the `counts` [B] tokens a forward fed (None: one each), and, when the forward collected the
+    statistic (`scored`), the statistic's end to `seen` for every sequence fed."""
+    if counts is None:
+        seen += 1
+        if scored:
+            stat_end.copy_(seen)
+        return
+    seen += counts
+    if scored:
+        stat_end.copy_(torch.where(counts > 0, seen, stat_end))
 
 
 def left_padded(tokens: list[list[int]], seen: torch.Tensor):

@@ -27,7 +27,7 @@ from evalkit.attention import ForwardPlan
 from evalkit.cache import PoolExhausted, SlotView
 from evalkit.errors import EvalkitError
 from evalkit.loop.compression import score_input, sliding_caps
-from evalkit.loop.state import NO_LIMIT, LoopState
+from evalkit.loop.state import NO_LIMIT, LoopState, advance
 from evalkit.policies import Policy
 
 DECODE_STEPS = ("auto", "graph", "static", "eager")
@@ -126,9 +126,7 @@ class StaticStep:
         out = state.model(input_ids=self.tokens, position_ids=self.seen[:, None], attention_mask=self.no_mask,
                           use_cache=False, logits_to_keep=1, evalkit_plan=self.plan)
         self.logits.copy_(out.logits[:, -1])
-        self.seen += 1
-        if state.collect is not None:
-            self.stat_end.copy_(self.seen)
+        advance(self.seen, self.stat_end, None, scored=state.collect is not None)
         if self.drops:
             self._evict()
 
@@ -159,9 +157,7 @@ class StaticStep:
     def _mirror_on_host(self) -> None:
         """The host's copy of the loop's counters, kept without reading the device."""
         state = self.state
-        state.seen += 1
-        if state.collect is not None:
-            state.stat_end = state.seen.clone()
+        advance(state.seen, state.stat_end, None, scored=state.collect is not None)
         if state.observe:
             state.observe("forward", state.cache)
             if self.drops:
