@@ -161,6 +161,7 @@ class RunConfig:
         """Samples longer than the model's window are refused before any is built (a haystack of a
         million tokens takes minutes and gigabytes to build)."""
         task = make_task(self)
+        task.check_length(self.length)
         longest = task.longest(self.length) if isinstance(task, SizedBySettings) else self.length
         lower = "the task's lengths" if "lengths" in self.task_args else "--length"
         limit = window(self.model)

@@ -6,10 +6,10 @@ Everything that can be refused is refused before the run folder exists; a run
 folder that exists is resumed, sample by sample, by one process at a time (the
 folder's lock: a second process on it waits). Results are on disk before W&B
 is told anything, so W&B can never cost one (the W&B mirror is handed in by the
-caller, `mirror=evalkit.integrations.wandb`: the runner imports no tool). Most tasks generate answers
-that the task scores; `ppl` streams passages through the cache and scores their
-log-likelihood (`score_rolling`). A task with `write_artifacts` (the niah
-grid's heatmap) writes its files into the run folder when the run finishes.
+caller, `mirror=evalkit.integrations.wandb`: the runner imports no tool). What a sample goes
+through is `evaluations`' (answers generated and scored by the task, a multi-turn conversation, a
+passage's perplexity). A task with `write_artifacts` (the niah grid's heatmap) writes its files into
+the run folder when the run finishes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import platform
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from rich.console import Console
@@ -27,15 +27,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from evalkit.config import RunConfig, baseline_for, fields_where
 from evalkit.errors import EvalkitError
-from evalkit.loop import (GenerationSettings, Request, SharedPrefill, generate, generate_branches, prefill_statistics,
-                          score_rolling, share_prefill)
-from evalkit.models import load_model, max_positions
-from evalkit.prompt import encode, prompt_length
-from evalkit.results import Record, RunDir, check_writable_folder, complete_runs, package_versions
-from evalkit.tasks import Sample, Task
-from evalkit.tasks.custom import is_data_task, make_task
-from evalkit.tasks.ppl import Perplexity, perplexity_metrics
-from evalkit.uncertainty import score_interval
+from evalkit.evaluations import evaluation_for
+from evalkit.loop import GenerationSettings
+from evalkit.models import load_model
+from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
+from evalkit.tasks.custom import make_task
+from evalkit.tasks.ppl import Perplexity
 
 _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
 
@@ -167,10 +164,7 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
     with console.status(f"loading {first.model}"):
         model, tokenizer = load_model(first.model, first.dtype, first.device)
     with console.status(f"building {first.samples} samples of {first.length} tokens"):
-        if isinstance(task, Perplexity):
-            evaluation = _perplexity_evaluation(task, first, model, tokenizer)
-        else:
-            evaluation = _generation_evaluation(task, first, model, tokenizer)
+        evaluation = evaluation_for(task, first, model, tokenizer)
     runs = []
     for config, run_dir in pending:
         settings = config.generation_settings()
@@ -234,135 +228,6 @@ class WritesArtifacts(Protocol):
     """A task that leaves files beside a finished run's results (the niah grid's heatmap.png)."""
 
     def write_artifacts(self, records: list[dict], folder: Path, config: dict) -> list[Path]: ...
-
-
-@dataclass
-class _Evaluation:
-    """What a group of runs evaluates and how: the samples, each one's model input, a batch's records under
-    each run's settings (from a shared prefill, if given), a run's metrics; and how to share a batch's
-    prefill."""
-
-    samples: list[Sample]
-    inputs: list
-    evaluate: Callable[[list[tuple[Sample, Any]], list[GenerationSettings], SharedPrefill | None], list[list[dict]]]
-    summarize: Callable[[list[dict]], dict]
-    share: Callable[[list[tuple[Sample, Any]], list[GenerationSettings]], SharedPrefill | None] = \
-        lambda batch, settings: None
-
-
-def _generation_evaluation(task: Task, config: RunConfig, model, tokenizer) -> _Evaluation:
-    """Prompts whose answers are generated and scored by the task."""
-    samples = task.samples(prompt_length(tokenizer), config.length, config.samples, config.seed)
-    encoded = [encode(tokenizer, sample) for sample in samples]
-    limit = max_positions(model)
-    lower = ("the task's lengths" if "lengths" in config.task_args else
-             "the record (data samples are never cut; skip it with --offset/--limit)" if is_data_task(config.task)
-             else "--length")
-    for sample, (context_ids, question_ids) in zip(samples, encoded):
-        needed = len(context_ids) + len(question_ids) + sample.max_new_tokens
-        if limit and needed > limit:
-            raise EvalkitError(f"sample {sample.id} needs {needed} positions (prompt + answer) but "
-                               f"{config.model} has {limit}: lower {lower}")
-
-    def requests(batch: list[tuple[Sample, tuple[list[int], list[int]]]]) -> list[Request]:
-        return [Request(c, q, s.max_new_tokens) for s, (c, q) in batch]
-
-    def share(batch, each: list[GenerationSettings]) -> SharedPrefill:
-        statistics = set().union(*(prefill_statistics(s.policy) for s in each))
-        return share_prefill(model, requests(batch), each[0].query_aware, statistics, tokenizer)
-
-    def evaluate(batch, each: list[GenerationSettings], shared: SharedPrefill | None) -> list[list[dict]]:
-        if shared is None:
-            generations = [generate(model, tokenizer, requests(batch), settings) for settings in each]
-        else:  # the runs decode together, branches of the shared prefill (joint_decode)
-            generations = generate_branches(model, tokenizer, requests(batch), each, shared)
-        return [records(batch, run_generations) for run_generations in generations]
-
-    def records(batch, generations) -> list[dict]:
-        return [Record(
-            sample.id, gen.prompt_tokens, task.score(gen.text, sample.references), gen.kept_tokens, gen.bytes_held,
-            gen.bytes_ideal, gen.bytes_full, len(gen.token_ids), gen.attended_fraction, sample.meta,
-            # Batch-wide timings, divided evenly so sums over records stay right.
-            {key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
-            {"prediction": gen.text, "references": sample.references},
-        ).as_dict() for (sample, _), gen in zip(batch, generations)]
-
-    def summarize(records: list[dict]) -> dict:
-        return {**aggregate(records), "metric": task.metric, "higher_is_better": True,
-                **score_interval(records).as_metrics()}
-
-    return _Evaluation(samples, encoded, evaluate, summarize, share)
-
-
-def _perplexity_evaluation(task: Perplexity, config: RunConfig, model, tokenizer) -> _Evaluation:
-    """Passages of `--length` tokens streamed in chunks; the loss of every token after the first chunk."""
-    chunk = config.chunk_size
-    if config.length <= chunk:
-        raise EvalkitError(f"ppl scores the tokens after the first chunk: --length {config.length} must be "
-                           f"more than --chunk-size {chunk}")
-    samples = task.samples(prompt_length(tokenizer), config.length, config.samples, config.seed)
-    passages = []
-    for sample in samples:
-        ids = tokenizer(sample.context).input_ids[:config.length]
-        if len(ids) < config.length:
-            raise EvalkitError(f"passage {sample.id} has only {len(ids)} tokens, fewer than --length {config.length}")
-        passages.append(ids)
-
-    def evaluate(batch: list[tuple[Sample, list[int]]], each: list[GenerationSettings],
-                 shared: None) -> list[list[dict]]:
-        return [evaluate_one(batch, settings) for settings in each]
-
-    def evaluate_one(batch: list[tuple[Sample, list[int]]], settings: GenerationSettings) -> list[dict]:
-        start = time.perf_counter()
-        scores = score_rolling(model, [ids for _, ids in batch], [len(ids) - chunk for _, ids in batch], settings)
-        seconds = (time.perf_counter() - start) / len(batch)  # batch-wide, divided evenly
-        records = []
-        for (sample, _), scored in zip(batch, scores):
-            summary = task.loss_summary(scored.logprobs, first_position=chunk)
-            records.append(Record(
-                sample.id, scored.prompt_tokens, summary["perplexity"], scored.kept_tokens, scored.bytes_held,
-                scored.bytes_ideal, scored.bytes_full, 0, 1.0, sample.meta,
-                {"prefill_seconds": seconds, "decode_seconds": 0.0}, summary,
-            ).as_dict())
-        return records
-
-    def summarize(records: list[dict]) -> dict:
-        return {**aggregate(records), **perplexity_metrics(records), "scored_from": chunk,
-                **score_interval(records).as_metrics()}
-
-    return _Evaluation(samples, passages, evaluate, summarize)
-
-
-def aggregate(records: list[dict]) -> dict:
-    """Means over samples; a group task (samples carrying meta["task"]) scores the mean of its tasks' means."""
-    n = len(records)
-
-    def total(key):
-        return sum(r[key] for r in records)
-
-    by_task: dict[str, list[float]] = {}
-    for r in records:
-        if "task" in r.get("meta", {}):
-            by_task.setdefault(r["meta"]["task"], []).append(r["score"])
-    task_means = {task: sum(scores) / len(scores) for task, scores in sorted(by_task.items())}
-    return {
-        "samples": n,
-        "score": sum(task_means.values()) / len(task_means) if task_means else total("score") / n,
-        **({"by_task": task_means} if task_means else {}),
-        "kept_tokens": total("kept_tokens") / n,
-        "prompt_tokens": total("prompt_tokens") / n,
-        "bytes_held": total("bytes_held") / n,
-        "bytes_ideal": total("bytes_ideal") / n,
-        "bytes_full": total("bytes_full") / n,
-        "held_over_full": total("bytes_held") / total("bytes_full"),
-        "held_over_ideal": total("bytes_held") / max(1, total("bytes_ideal")),
-        "attended_fraction": total("attended_fraction") / n,
-        "prefill_tokens_per_s": total("prompt_tokens") / max(1e-9, total("prefill_seconds")),
-        "decode_tokens_per_s": total("new_tokens") / max(1e-9, total("decode_seconds")),
-        "seconds": total("prefill_seconds") + total("decode_seconds"),
-        **({"reconstruction_seconds": total("reconstruction_seconds") / n}
-           if all("reconstruction_seconds" in r for r in records) else {}),
-    }
 
 
 def _provenance(config: RunConfig, policy, model) -> dict:

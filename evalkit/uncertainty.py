@@ -116,7 +116,7 @@ def is_binary(records: list[dict]) -> bool:
 
 
 def score_interval(records: list[dict]) -> Interval:
-    """The 95 % interval of the score `runner.aggregate` gives these records."""
+    """The 95 % interval of the score `evaluations.aggregate` gives these records."""
     if not records:
         raise EvalkitError("no samples: a score needs at least one")
     records = in_id_order(records)  # the bootstrap's resamples then do not depend on the file's line order
@@ -275,7 +275,7 @@ def _per_sample(records: list[dict]) -> np.ndarray:
 
 
 def score_of(records: list[dict]) -> float:
-    """The score `runner.aggregate` (perplexity: `perplexity_metrics`) gives these records."""
+    """The score `evaluations.aggregate` (perplexity: `perplexity_metrics`) gives these records."""
     if _is_perplexity(records):
         return float(np.exp(sum(r["nll"] for r in records) / sum(r["scored_tokens"] for r in records)))
     by_task = _by_task(_per_sample(records), records)

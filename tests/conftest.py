@@ -122,10 +122,12 @@ _MODEL_FIXTURES = {
     ("test_reliability", "tiny_model_dir"): "save_tiny_model",
     ("test_shared_prefill", "tiny_model_dir"): "save_tiny_model",
     ("test_ppl", "tiny_folder"): "save_tiny_model",
+    ("test_conversation", "tiny_folder"): "save_tiny_model",
     ("test_ruler", "prompt_length"): "the default model's tokenizer",
     ("test_tasks", "prompt_length"): "the default model's tokenizer",
     ("test_longbench", "prompt_length"): "the default model's tokenizer",
     ("test_niah_grid", "tokenizer"): "the default model's tokenizer",
+    ("test_multiturn", "tokenizer"): "the default model's tokenizer",
     ("test_sweep", "swept"): "a sweep on the default model, killed and resumed (test_report uses it too)",
 }
 
@@ -244,6 +246,8 @@ _SLOW = {
     "test_oracle": {  # CriticalKV and Ada-KV over every scorer: 150 cases against the oracle (20-30 s in all)
         "test_evalkit_keeps_what_the_oracle_keeps": lambda params: _wraps_a_scorer(params["name"]),
         "test_every_name_and_alias_runs_at_its_published_granularity": lambda params: _wraps_a_scorer(params["name"]),
+        # 200 decode steps a case, the oracle recomputing the whole sequence in float64 at each (6-9 s a case)
+        "test_long_decodes_against_the_oracle": ALL_CASES,
     },
 }
 

@@ -32,6 +32,9 @@ SHORT = ["--length", "600", "--samples", "3"]
     (["--task-arg", "depths"], "task-arg must be KEY=VALUE, got 'depths'"),
     (["--kernels", "cuda"], "unknown kernels 'cuda'; choose from auto, triton, torch"),
     (["--task-arg", "depths=0,50"], "task ruler:niah_single_2 takes no --task-arg settings, got depths"),
+    (["--task", "multiturn_niah", "--task-arg", "turns=0"], "turns must be a whole number from 1 to 64, got '0'"),
+    (["--task", "multiturn_kv", "--task-arg", "turns=20", "--length", "900"],
+     "--length 900 leaves no room for a prompt: 20 turns take 960 new tokens (48 each)"),
     (["--policy", "quest", "--granularity", "head_page"], "quest cannot run at granularity head_page: Quest"),
     (["--policy", "adakv", "--granularity", "head_page"], "adakv_snapkv cannot run at granularity head_page"),
     (["--policy", "h2o_token", "--granularity", "head"], "--granularity head contradicts it: use --policy h2o_head"),
@@ -126,7 +129,7 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating_samples(monkeypa
 
 
 def test_group_tasks_score_the_mean_of_their_tasks():
-    from evalkit.runner import aggregate
+    from evalkit.evaluations import aggregate
 
     base = dict(kept_tokens=10, prompt_tokens=20, bytes_held=8, bytes_ideal=8, bytes_full=16,
                 attended_fraction=1.0, new_tokens=2, prefill_seconds=1.0, decode_seconds=1.0)

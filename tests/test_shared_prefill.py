@@ -202,12 +202,12 @@ def test_run_many_writes_what_one_run_per_cell_writes(tiny_model_dir, tmp_path, 
         prefills.append(1)
         return original(*args, **kwargs)
 
-    import evalkit.runner as runner
-    runner.share_prefill = counting
+    import evalkit.evaluations as evaluations
+    evaluations.share_prefill = counting
     try:
         together = run_many(configs(tiny_model_dir, tmp_path / "shared", query_aware))
     finally:
-        runner.share_prefill = original
+        evaluations.share_prefill = original
     assert len(prefills) == 2  # 3 samples in batches of 2: two prefills for all 18 cells
     alone = [run(config) for config in configs(tiny_model_dir, tmp_path / "alone", query_aware)]
     assert len(together) == len(alone) == 18

@@ -10,7 +10,7 @@ from statsmodels.stats.proportion import proportion_confint
 from statsmodels.stats.weightstats import DescrStatsW
 
 from evalkit.errors import EvalkitError
-from evalkit.runner import aggregate
+from evalkit.evaluations import aggregate
 from evalkit.tasks.ppl import perplexity_metrics
 from evalkit import uncertainty
 from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _on_one_step, compare, score_of,

@@ -156,8 +156,11 @@ def generate(model, tokenizer, requests: list[Request], settings: GenerationSett
 
 
 def start(model, tokenizer, requests: list[Request], settings: GenerationSettings,
-          observe: Observer | None = None, shared: SharedPrefill | None = None) -> Decoding:
-    """Prefill (compressing as the policy says) and get ready to decode; call inside `evalkit_attention`."""
+          observe: Observer | None = None, shared: SharedPrefill | None = None,
+          later_turns: tuple[int, ...] = ()) -> Decoding:
+    """Prefill (compressing as the policy says) and get ready to decode; call inside `evalkit_attention`.
+    `later_turns`: the prompt tokens of a conversation's later turns (`loop.conversation`), each answered in up to
+    the requests' max new tokens: room for them too."""
     policy = settings.policy
     compressed, appended = split_prompts(requests, settings.query_aware)
     if shared is not None and (settings.prefill != "full" or shared.compressed != compressed):
@@ -169,8 +172,11 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     max_new = max(r.max_new_tokens for r in requests)
     begun = time.perf_counter()
     prompts = reconstruction_prompts(tokenizer) if policy.reconstructs and budgets.any_evicting else None
-    room = extra + max_new  # [B] tokens the cache takes after the prefill
     decode_evicts = budgets.any_evicting and settings.decode_eviction
+    room = extra + max_new  # [B] tokens the cache takes after the prefill
+    if later_turns:  # decode eviction holds the cache at its first answer's size; else every turn stays
+        room = room + (max(0, max(later_turns) + 1 - max_new) if decode_evicts
+                       else sum(later_turns) + len(later_turns) * max_new)
     decode_collect = policy.collect_decode if decode_evicts else None
     forks_compressed = shared is not None and not any(appended) and observe is None
     state = new_state(model, settings, budgets.lengths, budgets.caps, room, observe, with_cache=not forks_compressed)
@@ -181,7 +187,7 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
                          else QueryMoments(policy.sink_tokens)]
         state.collect_moments = shared is None
     if forks_compressed:  # the branch's cache receives only what compression keeps (`SharedPrefill.fork_compressed`)
-        logits = shared.fork_compressed(state, budgets.caps, extra + max_new)
+        logits = shared.fork_compressed(state, budgets.caps, room)
     else:
         logits = prefill(state, compressed, appended, budgets.caps, decode_collect, shared)
     prefill_seconds = time.perf_counter() - begun + (shared.seconds if shared is not None else 0.0)

@@ -93,6 +93,35 @@ def memory_png(lines: Lines, full, setting: str, path: Path) -> None:
     _save(figure, axes, path)
 
 
+def turns_png(lines: Lines, full, setting: str, path: Path) -> None:
+    """A multi-turn task: each run's score by turn with its 95 % interval, and the KV cache it held as each
+    turn's answer began (`metrics["by_turn"]`)."""
+    figure = Figure(figsize=(11, 4.2), dpi=110)
+    quality, memory = figure.add_subplot(1, 2, 1), figure.add_subplot(1, 2, 2)
+    for axes in (quality, memory):
+        axes.set_prop_cycle(color=matplotlib.colormaps["tab20"].colors)
+        axes.grid(alpha=0.3)
+        axes.set_xlabel("turn")
+    runs = [(label, e) for label, members in lines.items() for e in members]
+    if full is not None:
+        runs.append(("full cache", full))
+    for label, e in runs:
+        rows = e.metrics["by_turn"]
+        turns, scores = [r["turn"] for r in rows], [100 * r["score"] for r in rows]
+        bars = [[s - 100 * r["ci_low"] for s, r in zip(scores, rows)], [100 * r["ci_high"] - s for s, r in zip(scores, rows)]]
+        style = dict(color="gray", linestyle="--") if e is full else {}
+        quality.errorbar(turns, scores, yerr=bars, marker="o", capsize=3, label=label, **style)
+        memory.plot(turns, [100 * r["held_over_full"] for r in rows], marker="o", label=label, **style)
+    quality.set_title(f"Quality by turn: {setting}", fontsize=10)
+    quality.set_ylim(-3, 103)
+    quality.set_ylabel("score (%)")
+    memory.set_title("KV cache held as each answer began", fontsize=10)
+    memory.set_ylabel("KV held (% of the full cache then)")
+    for axes in (quality, memory):
+        axes.xaxis.get_major_locator().set_params(integer=True)
+    _save(figure, memory, path)
+
+
 # ---- what each task's plots draw ----------------------------------------------------------------------------
 
 _MEMORY = ("held_over_full", "bytes_held")  # what the memory plot needs of a run's metrics
@@ -109,6 +138,9 @@ def task_plots(entries: list, settings: list[str], output: Path) -> list[tuple[s
                    ("memory-vs-quality", memory_png, _lines(group, _MEMORY), full_run)]
         if block_size_lines(group):
             figures.append(("quality-vs-block-size", block_size_png, block_size_lines(group), _full_score(group)))
+        if any("by_turn" in e.metrics for e in group):
+            full_turns = next((e for e in group if e.is_full and "by_turn" in e.metrics), None)
+            figures.append(("quality-by-turn", turns_png, turn_lines(group), full_turns))
         pngs = []
         for name, draw, lines, reference in figures:
             png = output / f"{name}-{number}-{slug}.png"
@@ -126,6 +158,12 @@ def _lines(group: list, needs: tuple[str, ...] = ()) -> Lines:
         if not e.is_full and all(isinstance(e.metrics.get(k), (int, float)) for k in needs):
             lines.setdefault(e.series, []).append(e)
     return lines
+
+
+def turn_lines(group: list) -> Lines:
+    """The multi-turn runs of a setting, a line each (series @ budget), by budget."""
+    return {f"{e.series} @ {e.config['budget']}": [e] for e in sorted(group, key=lambda e: (e.series, e.x))
+            if not e.is_full and "by_turn" in e.metrics}
 
 
 def block_size_lines(group: list) -> Lines:

@@ -11,11 +11,22 @@ from evalkit.registry import Registry
 
 
 @dataclass(frozen=True)
+class Turn:
+    """A later question on the same context (a multi-turn task), asked once the previous answer is given."""
+
+    question: str
+    answer_prefix: str
+    references: list[str]
+
+
+@dataclass(frozen=True)
 class Sample:
     """One request. The prompt is `context`, then `question`, then `answer_prefix`.
 
     `context` is what query-agnostic compression compresses before the question
-    is seen; `question` and `answer_prefix` come after it.
+    is seen; `question` and `answer_prefix` come after it. A multi-turn sample asks its
+    `followups` one after another on the same cache (`loop.conversation`), each answered in up to
+    `max_new_tokens`.
     """
 
     id: str
@@ -25,10 +36,12 @@ class Sample:
     references: list[str]
     max_new_tokens: int
     meta: dict = field(default_factory=dict)
+    followups: tuple[Turn, ...] = ()
 
 
 PromptLength = Callable[[Sample], int]
-"""Tokens the evaluated model sees for a sample (chat template included): tasks fit lengths with it."""
+"""Tokens the evaluated model sees for a sample (chat template included), every turn's prompt of a multi-turn
+sample but not its answers: tasks fit lengths with it."""
 
 # No token of a tokenizer spans more characters than this: SmolLM2's longest is 81 (a newline and 80
 # spaces), common vocabularies' are under 100. A prompt of more characters than this many per token of
@@ -45,6 +58,9 @@ class Task(ABC):
     @abstractmethod
     def samples(self, prompt_length: PromptLength, length: int, n: int, seed: int) -> list[Sample]:
         """`n` samples whose prompt plus `max_new_tokens` fits in `length` tokens; same seed, same samples."""
+
+    def check_length(self, length: int) -> None:
+        """Refuse, before any model loads, a `length` that cannot hold this task's answers (EvalkitError)."""
 
     def with_args(self, args: dict[str, str]) -> "Task":
         """This task with `--task-arg` settings applied; tasks that take settings override this."""
