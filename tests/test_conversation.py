@@ -2,6 +2,8 @@
 transformers' greedy generation over the concatenated conversation, the first turn is a single-question run,
 decode eviction holds the cache at its first answer's size, and a shared prefill changes nothing."""
 
+import json
+
 import pytest
 import torch
 
@@ -110,9 +112,10 @@ def tiny_folder(tmp_path_factory):
 
 
 def test_a_multiturn_run_reports_each_turns_score_interval_and_cache(monkeypatch, capsys, tmp_path, tiny_folder):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     code, _, err = evalkit(monkeypatch, capsys, "run", "--model", str(tiny_folder), "--task", "multiturn_niah",
                            "--task-arg", "turns=3", "--policy", "h2o_head", "--budget", "0.3", "--length", "512",
-                           "--samples", "4", "--out", str(tmp_path), "--wandb", "off")
+                           "--samples", "4", "--out", str(tmp_path), "--wandb", "offline")
     assert code == 0, err
     for policy in ("h2o_head", "full"):
         _, records, metrics = read_run(tmp_path, policy)
@@ -130,3 +133,8 @@ def test_a_multiturn_run_reports_each_turns_score_interval_and_cache(monkeypatch
         assert (len(set(kept)) == 1) if policy == "h2o_head" else \
             kept == [row["prompt_tokens"] for row in by_turn]
         assert metrics["bytes_held"] == sum(r["turns"][-1]["bytes_held"] for r in records) / len(records)
+        (by_turn,) = (tmp_path / read_run(tmp_path, policy)[0].name).glob("wandb/offline-run-*/files/media/table/"
+                                                                            "by_turn_*.table.json")
+        logged = json.loads(by_turn.read_text())  # W&B's copy: the same rows
+        assert [dict(zip(logged["columns"], row))["score"] for row in logged["data"]] == \
+            [row["score"] for row in metrics["by_turn"]]

@@ -128,7 +128,12 @@ def _log_run(mode: str, run_dir: Path, run_id: str, config: dict, metrics: dict,
     run = wandb.init(project=os.environ.get("WANDB_PROJECT", "evalkit"), name=run_id, id=run_id,
                      config=config, dir=str(run_dir), mode=mode, resume="allow", reinit="finish_previous",
                      settings=wandb.Settings(silent=True))
-    run.log({"predictions": _table(records)})
+    logged = {"predictions": _table(records)}
+    if "by_turn" in metrics:  # a multi-turn task: quality by turn index
+        turns = _table(metrics["by_turn"])
+        logged.update({"by_turn": turns, "score_by_turn": wandb.plot.line(turns, "turn", "score",
+                                                                           title="score by turn")})
+    run.log(logged)
     run.summary.update(metrics)
     where = run.dir
     run.finish()
