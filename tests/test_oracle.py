@@ -21,6 +21,13 @@ is held to the oracle at the granularity tests/test_policies.py pins for it. A f
 case does (issue #53's mutation study): CriticalKV's first stage of one token, Ada-KV's safeguard, ties between
 DuoAttention's head scores, KVzip's prompts in a chat template's words and its pooled budget over sliding layers.
 
+Long decodes (issue #48): H2O, TOVA, SnapKV and KeyDiff at all four granularities, StreamingLLM at three, Ada-KV
+over H2O and PyramidKV generate 201 tokens on a two-layer model at a budget of 20 tokens per KV head, compressing
+after each of the 200 decode steps; each case checks that decoded tokens, and at page granularities whole pages of
+them, were evicted. No mutation was found that they catch and the short cases miss: when they were added they ran
+no line of evalkit that the short cases do not, and a page selection that drops the page being filled is caught by
+the short cases already.
+
 Mutation tests show the comparison has teeth: H2O without decode accumulation, a SnapKV window one
 query too wide, and one small error in each scorer of issue #29 (KeyDiff's anchor from raw keys, LagKV
 partitions normalised by their own range, Expected Attention's moments of the queries after RoPE,
@@ -224,14 +231,19 @@ def one_thread():
 
 
 @functools.lru_cache(maxsize=None)
-def model(arch: str):
+def model(arch: str, layers: int = LAYERS):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(arch, layers=LAYERS)
+    config = tiny_config(arch, layers=layers)
     torch.manual_seed(0)
     m = AutoModelForCausalLM.from_config(config).double().eval()
     m.generation_config.eos_token_id = None  # EOS unreachable: every sequence runs all its steps
     return m
+
+
+def model_of(env: dict):
+    """The case's model: its architecture, with LAYERS layers unless the environment names another count."""
+    return model(env["arch"], env.get("layers", LAYERS))
 
 
 def batch(seed: int = 1):
@@ -266,7 +278,7 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, bloc
                                   decode_eviction=env["decode_eviction"], seed=SEED,
                                   sliding_layers=env.get("sliding_layers", "budget"))
     events = []
-    out = generate(model(env["arch"]), tokenizer, [Request(c, q, new_tokens) for c, q in requests], settings,
+    out = generate(model_of(env), tokenizer, [Request(c, q, new_tokens) for c, q in requests], settings,
                    observe=lambda event, cache: events.append((event, _snapshot(cache))))
     chunks, prefill, steps = [], None, []
     for event, snap in events:
@@ -283,7 +295,7 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, bloc
 
 
 def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, block_size=BLOCK,
-                 chunk_size=CHUNK, own_granularity=False, tokenizer=None) -> str | None:
+                 chunk_size=CHUNK, own_granularity=False, tokenizer=None, traces=None) -> str | None:
     """None when evalkit and the oracle agree on every step; else where they first differ. With
     `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`; both
     get `tokenizer` (None: token ids alone, as every case but KVzip's chat-template ones)."""
@@ -299,7 +311,7 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
         # loop's `prepare` computes them. The calibration itself is held to kvpress's computation in
         # tests/test_duo_attention.py::test_head_scores_are_kvpress_on_the_fly_scores; the oracle re-derives how many
         # heads stream, which, and what each keeps.
-        scores = evalkit.policies.duo_calibration.calibrated_head_scores(model(env["arch"]))
+        scores = evalkit.policies.duo_calibration.calibrated_head_scores(model_of(env))
         overrides["head_scores"] = tuple(tuple(float(x) for x in row) for row in scores.tolist())
     spec = published_spec(family, granularity, **overrides)
     settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
@@ -315,9 +327,11 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
             f"decode eviction {'on' if env['decode_eviction'] else 'off'}"
             f"{', sliding layers: ' + env['sliding_layers'] if 'sliding_layers' in env else ''}"
             f"{', with a chat template' if tokenizer is not None else ''}]")
-    m = model(env["arch"])
+    m = model_of(env)
     for b, (context, question) in enumerate(requests):
         trace = run_oracle(m, spec, settings, context, question, new_tokens, tokenizer)
+        if traces is not None:
+            traces.append(trace)
         where = (f"{case}: sequence {b} (context {len(context)}, question {len(question)} tokens; "
                  f"k={trace.budget}, k_l={trace.layer_budgets or 'not evicting'})")
 
@@ -581,6 +595,116 @@ def test_sliding_window_layers_against_the_oracle(name, granularity, args, budge
     prefill chunk, after prefill and after every decode step."""
     message = disagreement(name, granularity, args, budget, env)
     assert message is None, message
+
+
+# --- long decodes (issue #48): 200 decode steps, each compressing back to the budget ------------------------
+
+# Two prompts whose lengths put the first decoded token at the start of a page (72 = 18 x 4) and in the middle of
+# the prompt's last page (62: positions 62 and 63 share page 15 with the prompt's 60 and 61), a budget of 20 tokens
+# per KV head, far below both, and 201 new tokens: 200 decode steps, each followed by a compression, so the decoded
+# tokens themselves are scored, ranked and evicted, and at page granularities whole pages of them (pages 16 and up
+# of the first prompt, 18 and up of the second) are taken and later freed. A two-layer model keeps the oracle's
+# whole-sequence float64 recomputation to a few seconds a case.
+LONG_NEW_TOKENS = 201
+LONG_BUDGET = 20
+LONG_AWARE = dict(arch="llama", layout="paged", prefill="full", query_aware=True, decode_eviction=True, layers=2)
+LONG_AGNOSTIC = dict(arch="qwen2", layout="dense", prefill="chunked", query_aware=False, decode_eviction=True,
+                     layers=2)
+
+
+def long_decode_batch():
+    """(context, question) of 58 + 4 and 68 + 4 tokens, no id repeated within a prompt (see `batch`)."""
+    g = torch.Generator().manual_seed(4)
+    prompts = []
+    for c, q in ((58, 4), (68, 4)):
+        ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + q] + 3).tolist()
+        prompts.append((ids[:c], ids[c:]))
+    return prompts
+
+
+# (name, granularity, --policy-arg): the scorers whose decode-time rule differs, each at every granularity: H2O
+# (every decoded query's attention added), TOVA (the last query's, replacing), StreamingLLM (position only; at
+# `token` it keeps what it keeps at `head`), SnapKV (decoded tokens never scored: protected until they alone fill
+# the budget), KeyDiff (no statistic, no protected token); and the allocators Ada-KV (over H2O: a layer's budget
+# moves between its heads every step) and PyramidKV.
+LONG_DECODE_CASES = [
+    ("h2o_head", "head", {}),
+    ("h2o_token", "token", {"normalize": "true"}),
+    ("h2o_page", "page", {}),
+    ("h2o_head_page", "head_page", {}),
+    ("tova", "token", {}),
+    ("tova_head", "head", {}),
+    ("tova_page", "page", {}),
+    ("tova_head_page", "head_page", {}),
+    ("streaming_llm", "head", {}),
+    ("streaming_llm", "page", {}),
+    ("streaming_llm", "head_page", {}),
+    ("snapkv_head", "head", {}),  # its published window (32) exceeds the budget: recency alone
+    ("snapkv_token", "token", {"window": "8"}),
+    ("snapkv_page", "page", {"window": "8", "kernel": "5", "pooling": "avg"}),
+    ("snapkv_head_page", "head_page", {"window": "6", "kernel": "3"}),
+    ("keydiff_head", "head", {}),
+    ("keydiff_token", "token", {}),
+    ("keydiff_page", "page", {}),
+    ("keydiff_head_page", "head_page", {}),
+    ("adakv_h2o", "head", {}),
+    ("pyramidkv_head_page", "head_page", {"window": "8"}),
+]
+
+
+def _long_id(index: int, name: str, granularity: str, args: dict) -> str:
+    label = ",".join(f"{k}={v}" for k, v in args.items())
+    return f"{name}-{granularity}{'-' + label if label else ''}-{'aware' if index % 2 == 0 else 'agnostic'}"
+
+
+def _long_cases():
+    return [pytest.param(name, granularity, args, (LONG_AWARE, LONG_AGNOSTIC)[i % 2],
+                         id=_long_id(i, name, granularity, args))
+            for i, (name, granularity, args) in enumerate(LONG_DECODE_CASES)]
+
+
+def decoded_evictions(trace, context, question, block_size=BLOCK) -> tuple[set, set, set]:
+    """From an oracle trace, over every (layer, KV head): the decoded positions fed and not held after the last
+    step (evicted); those of them held after some step (evicted after surviving one); and the pages lying wholly
+    in decoded positions held whole after some step and not at all after the last."""
+    first = len(context) + len(question)  # the first decoded token's position
+    fed = set(range(first, first + len(trace.steps)))
+    evicted, survived, pages = set(), set(), set()
+    for l, heads in enumerate(trace.steps[-1]):
+        for h, final in enumerate(heads):
+            gone = fed - set(final)
+            evicted |= gone
+            held = [set(step[l][h]) for step in trace.steps]
+            survived |= gone & set().union(*held)
+            for page in {p // block_size for p in gone if p // block_size * block_size >= first}:
+                span = set(range(page * block_size, (page + 1) * block_size))
+                if not span & set(final) and any(span <= x for x in held):
+                    pages.add(page)
+    return evicted, survived, pages
+
+
+@pytest.mark.parametrize("name, granularity, args, env", _long_cases())
+def test_long_decodes_against_the_oracle(name, granularity, args, env):
+    """200 decode steps, each compressing back to the budget: the kept positions of every (layer, KV head) after
+    every step, and every token, equal the oracle's. The case has power: every sequence runs all its steps (EOS is
+    unreachable: `model`), holds no more than its cap in any layer after any step, and evicts decoded tokens, at
+    page granularities whole pages of them."""
+    requests, traces = long_decode_batch(), []
+    message = disagreement(name, granularity, args, LONG_BUDGET, env, new_tokens=LONG_NEW_TOKENS, requests=requests,
+                           traces=traces)
+    assert message is None, message
+    assert len(traces) == len(requests)
+    for (context, question), trace in zip(requests, traces):
+        assert trace.evicting and len(trace.tokens) == LONG_NEW_TOKENS and len(trace.steps) == LONG_NEW_TOKENS - 1
+        appended = 0 if env["query_aware"] else len(question)
+        for step in trace.steps:
+            for cap, heads in zip(trace.layer_budgets, step):
+                assert sum(map(len, heads)) <= (cap + appended) * len(heads), (name, cap, heads)
+        evicted, survived, pages = decoded_evictions(trace, context, question)
+        # The budget (20, plus the question when query-agnostic) holds a tenth of what is decoded.
+        assert len(evicted) > LONG_NEW_TOKENS // 2 and survived, (name, sorted(evicted), sorted(survived))
+        if granularity in ("page", "head_page"):
+            assert len(pages) > 10, f"{name}: only decoded pages {sorted(pages)} were held whole and evicted whole"
 
 
 # --- rules only a corner decides (issue #53's mutation study: no other case failed when each was broken) -----
