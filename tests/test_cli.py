@@ -35,6 +35,7 @@ SHORT = ["--length", "600", "--samples", "3"]
     (["--task", "multiturn_niah", "--task-arg", "turns=0"], "turns must be a whole number from 1 to 64, got '0'"),
     (["--task", "multiturn_kv", "--task-arg", "turns=20", "--length", "900"],
      "--length 900 leaves no room for a prompt: 20 turns take 960 new tokens (48 each)"),
+    (["--task", "multiturn_niah", "--length", "9000"], "has 8192"),  # every turn and answer within the positions
     (["--policy", "quest", "--granularity", "head_page"], "quest cannot run at granularity head_page: Quest"),
     (["--policy", "adakv", "--granularity", "head_page"], "adakv_snapkv cannot run at granularity head_page"),
     (["--policy", "h2o_token", "--granularity", "head"], "--granularity head contradicts it: use --policy h2o_head"),
