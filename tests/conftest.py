@@ -248,6 +248,8 @@ _SLOW = {
         "test_every_name_and_alias_runs_at_its_published_granularity": lambda params: _wraps_a_scorer(params["name"]),
         # 200 decode steps a case, the oracle recomputing the whole sequence in float64 at each (6-9 s a case)
         "test_long_decodes_against_the_oracle": ALL_CASES,
+        # three turns on one compressed context, the oracle recomputing the whole conversation per forward (1 s a case)
+        "test_conversations_against_the_oracle": ALL_CASES,
     },
 }
 

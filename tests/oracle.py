@@ -30,7 +30,11 @@ time (B = 1), greedy, with the model in float64:
   `float32`).
 
 `run_oracle` returns the generated tokens and, after every prefill chunk, after prefill and
-after every decode step, the sorted kept positions of each (layer, KV head).
+after every decode step, the sorted kept positions of each (layer, KV head). Given later turns it runs a
+conversation on the same cache (docs/tasks.md, "Several questions on one context"): after each answer, one forward
+feeds the answer's unfed last token (none when it ended on an end-of-sequence token, which is never fed) and the
+next turn's prompt, as the question appended after compression is fed, the cache is evicted back to the decode caps,
+and the turn's answer is decoded as the first was; the kept positions are recorded after every forward.
 """
 
 from __future__ import annotations
@@ -178,6 +182,16 @@ Kept = tuple  # [layer][kv head] -> tuple of sorted kept positions
 
 
 @dataclass
+class Turn:
+    """A later turn of a conversation (`run_oracle`'s `later_turns`)."""
+
+    fed: list[int] = field(default_factory=list)  # its one forward: the previous answer's unfed token, its prompt
+    after_fed: Kept = ()  # after that forward (and its compression)
+    tokens: list[int] = field(default_factory=list)  # its answer
+    steps: list[Kept] = field(default_factory=list)  # after each decode step (and its compression)
+
+
+@dataclass
 class Trace:
     tokens: list[int] = field(default_factory=list)
     chunks: list[Kept] = field(default_factory=list)  # after each prefill chunk (and its compression)
@@ -187,6 +201,7 @@ class Trace:
     layer_budgets: list[int] = field(default_factory=list)  # k_l (empty when not evicting)
     evicting: bool = False
     scores: dict = field(default_factory=dict)  # phase -> [layer][head] {position: score} at its last compression
+    turns: list[Turn] = field(default_factory=list)  # a conversation's later turns (the first is the fields above)
 
 
 # --- budgets ---------------------------------------------------------------------------------------
@@ -891,9 +906,21 @@ class Sequence:
 
 
 def run_oracle(model, spec: Spec, settings: Settings, context: list[int], question: list[int],
-               max_new_tokens: int, tokenizer=None) -> Trace:
+               max_new_tokens: int, tokenizer=None, later_turns: tuple = (), eos: tuple = ()) -> Trace:
     """One request, as docs/policies.md says evalkit's loop must process it. `model` in float64; `tokenizer`
-    (None: token ids alone) only words KVzip's reconstruction prompts."""
+    (None: token ids alone) only words KVzip's reconstruction prompts.
+
+    `later_turns` (each a list of prompt tokens) makes it a conversation, as docs/tasks.md's "Several questions on
+    one context" says: `question` is the first turn's prompt, and after each answer ONE forward feeds the answer's
+    last token when it ended on max new tokens (an answer ending on an `eos` token has fed all its tokens; the
+    EOS itself is never fed) followed by the next turn's prompt, collecting the decode statistic exactly as the
+    question appended after compression does; with decode eviction the cache is then evicted back to the decode
+    caps, k_l + q (q = the first question's tokens when query-agnostic, else 0: the size the cache had when the
+    first answer began), and without it only what a sliding window lost is dropped; then that turn's answer is
+    decoded as the first was, evicting after every step. An answer ends at max new tokens or on a token of
+    `eos`, which is not part of it."""
+    if later_turns and spec.family == "quest":
+        raise ValueError("the oracle has no rule for Quest's reads in a forward of several tokens (a later turn)")
     seq = Sequence(model, spec, settings, kvzip_prompts(tokenizer))
     compressed = context + question if settings.query_aware else list(context)
     appended = [] if settings.query_aware else list(question)
@@ -910,6 +937,7 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
     trace.layer_budgets = list(caps or [])
     collect_prefill, collect_decode = COLLECT.get(spec.scorer, (None, None))
     decode_evicts = trace.evicting and settings.decode_eviction
+    collect = collect_decode if decode_evicts else None  # after compression: the question, turns, decoded tokens
 
     with oracle_attention(model):
         chunk = settings.chunk_size if settings.prefill == "chunked" else n
@@ -924,23 +952,45 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
                 seq.slide()
             trace.chunks.append(seq.kept())
         if appended:  # the question, never compressed; collects the decode statistic
-            logits = seq.forward(appended, collect_decode if decode_evicts else None)
+            logits = seq.forward(appended, collect)
             seq.slide()
         trace.prefill = seq.kept()
 
         q = len(appended)
         seq.appended = q
+        decode_caps = [c + q for c in caps] if decode_evicts else None
         if spec.family == "quest" and k < n:  # nothing evicted; decode queries read the best pages
             seq.quest_pages = max(spec.min_pages, math.ceil((k + q) / settings.block_size))
-        for step in range(max_new_tokens):
-            token = int(logits.argmax())
-            trace.tokens.append(token)
-            if step == max_new_tokens - 1:
-                break
-            logits = seq.forward([token], collect_decode if decode_evicts else None)
+
+        def after_forward(phase: str) -> Kept:
+            """Evict back to the decode caps (decode eviction) or drop what a sliding window lost; the kept."""
             if decode_evicts:
-                trace.scores[f"decode step {step}"] = seq.compress([c + q for c in caps])
+                trace.scores[phase] = seq.compress(decode_caps)
             else:
                 seq.slide()
-            trace.steps.append(seq.kept())
+            return seq.kept()
+
+        def answer(logits, tokens: list[int], steps: list[Kept], label: str) -> bool:
+            """Decode one answer from `logits` into `tokens`, the kept after each step into `steps`; True when
+            it ended on an EOS (every token of it fed), False at max new tokens (its last token not fed)."""
+            for step in range(max_new_tokens):
+                token = int(logits.argmax())
+                if token in eos:
+                    return True
+                tokens.append(token)
+                if step == max_new_tokens - 1:
+                    break
+                logits = seq.forward([token], collect)
+                steps.append(after_forward(f"{label}decode step {step}"))
+            return False
+
+        ended_on_eos = answer(logits, trace.tokens, trace.steps, "")
+        previous = trace.tokens
+        for number, prompt in enumerate(later_turns, start=2):
+            turn = Turn(fed=([] if ended_on_eos else previous[-1:]) + list(prompt))
+            logits = seq.forward(turn.fed, collect)
+            turn.after_fed = after_forward(f"turn {number} prompt")
+            ended_on_eos = answer(logits, turn.tokens, turn.steps, f"turn {number} ")
+            trace.turns.append(turn)
+            previous = turn.tokens
     return trace

@@ -28,6 +28,10 @@ them, were evicted. No mutation was found that they catch and the short cases mi
 no line of evalkit that the short cases do not, and a page selection that drops the page being filled is caught by
 the short cases already.
 
+Conversations (issue #48, `evalkit.loop.conversation.converse`): three turns on one compressed context, the oracle's
+`run_oracle` given the later turns, for H2O, SnapKV, TOVA and KeyDiff at all four granularities, StreamingLLM, and
+one conversation without decode eviction; every later turn must evict tokens of earlier turns.
+
 Mutation tests show the comparison has teeth: H2O without decode accumulation, a SnapKV window one
 query too wide, and one small error in each scorer of issue #29 (KeyDiff's anchor from raw keys, LagKV
 partitions normalised by their own range, Expected Attention's moments of the queries after RoPE,
@@ -43,17 +47,19 @@ import functools
 import itertools
 import os
 import types
+from unittest import mock
 
 import pytest
 import torch
 
 from conftest import SHORT_PROMPT_ARGS, TINY, tiny_config
-from oracle import (FAMILIES, Settings, budget_tokens, duo_streaming, kvzip_prompts, published_spec, pyramid_budgets,
-                    run_oracle)
+from oracle import (FAMILIES, Settings, Spec, budget_tokens, duo_streaming, kvzip_prompts, published_spec,
+                    pyramid_budgets, run_oracle)
 from test_policies import every_name, published_granularity
 
 import evalkit.attention
 import evalkit.attention_ops
+import evalkit.loop.conversation
 import evalkit.policies.adakv
 import evalkit.policies.critical
 import evalkit.policies.duo_attention
@@ -63,7 +69,7 @@ import evalkit.policies.keydiff
 import evalkit.policies.lagkv
 import evalkit.policies.query_moments
 from evalkit.errors import EvalkitError
-from evalkit.loop import GenerationSettings, Request, generate
+from evalkit.loop import Conversation, GenerationSettings, Request, converse, generate, start
 from evalkit.policies import GRANULARITIES, POLICIES, make_policy, policy_args
 
 BUDGETS = (0.1, 0.3, 0.6)
@@ -294,12 +300,8 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, bloc
     return [g.token_ids for g in out], chunks, prefill, steps, {e for e, _ in events}
 
 
-def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, block_size=BLOCK,
-                 chunk_size=CHUNK, own_granularity=False, tokenizer=None, traces=None) -> str | None:
-    """None when evalkit and the oracle agree on every step; else where they first differ. With
-    `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`; both
-    get `tokenizer` (None: token ids alone, as every case but KVzip's chat-template ones)."""
-    requests = requests or batch()
+def oracle_setup(name, granularity, args, budget, env, block_size=BLOCK, chunk_size=CHUNK) -> tuple[Spec, Settings]:
+    """The oracle's Spec and Settings for evalkit's `name` at `granularity` with --policy-arg `args`."""
     family = family_of(name)
     overrides = {ORACLE_ARG[k][0]: ORACLE_ARG[k][1](v) for k, v in args.items()}
     if family.startswith("critical_") and "epsilon" in overrides:  # CriticalKV's epsilon, not its scorer's
@@ -316,6 +318,16 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
     spec = published_spec(family, granularity, **overrides)
     settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
                         SEED, env.get("sliding_layers", "budget"))
+    return spec, settings
+
+
+def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, block_size=BLOCK,
+                 chunk_size=CHUNK, own_granularity=False, tokenizer=None, traces=None) -> str | None:
+    """None when evalkit and the oracle agree on every step; else where they first differ. With
+    `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`; both
+    get `tokenizer` (None: token ids alone, as every case but KVzip's chat-template ones)."""
+    requests = requests or batch()
+    spec, settings = oracle_setup(name, granularity, args, budget, env, block_size, chunk_size)
     tokens, chunks, prefill, steps, events = run_evalkit(name, None if own_granularity else granularity, args,
                                                          budget, env, new_tokens, requests, block_size, chunk_size,
                                                          tokenizer)
@@ -336,20 +348,7 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
                  f"k={trace.budget}, k_l={trace.layer_budgets or 'not evicting'})")
 
         def compare(phase, ours, theirs):
-            if ours is None:
-                return f"{where}, {phase}: evalkit emitted no state (events seen: {sorted(events)})"
-            for l, (ours_l, theirs_l) in enumerate(zip(ours, theirs)):
-                for h, (o, t) in enumerate(zip(ours_l, theirs_l)):
-                    if o != t:
-                        extra = sorted(set(o) - set(t))
-                        missing = sorted(set(t) - set(o))
-                        scores = trace.scores.get(phase, {}).get(l)  # the oracle's, when it compressed here
-                        hint = "" if scores is None else "; oracle scores " + ", ".join(
-                            f"{p}: {float(scores[h][p]):.7g}" if p in scores[h] else f"{p}: -" for p in extra + missing)
-                        return (f"{where}, {phase}, layer {l}, KV head {h}: evalkit kept {list(o)} "
-                                f"({len(o)}), oracle kept {list(t)} ({len(t)}); only evalkit {extra}, "
-                                f"only oracle {missing}{hint}")
-            return None
+            return first_difference(where, phase, ours, theirs, trace, events)
 
         own = [c[b] for c in chunks]
         if len(own) < len(trace.chunks):
@@ -372,6 +371,25 @@ def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, re
                 return msg
         if tokens[b] != trace.tokens:
             return f"{where}: tokens differ: evalkit {tokens[b]}, oracle {trace.tokens}"
+    return None
+
+
+def first_difference(where, phase, ours, theirs, trace, events) -> str | None:
+    """None when evalkit's kept positions `ours` [layer][KV head] equal the oracle's `theirs` after `phase`; else
+    the first (layer, KV head) where they differ, with the oracle's scores there when it compressed."""
+    if ours is None:
+        return f"{where}, {phase}: evalkit emitted no state (events seen: {sorted(events)})"
+    for l, (ours_l, theirs_l) in enumerate(zip(ours, theirs)):
+        for h, (o, t) in enumerate(zip(ours_l, theirs_l)):
+            if o != t:
+                extra = sorted(set(o) - set(t))
+                missing = sorted(set(t) - set(o))
+                scores = trace.scores.get(phase, {}).get(l)  # the oracle's, when it compressed here
+                hint = "" if scores is None else "; oracle scores " + ", ".join(
+                    f"{p}: {float(scores[h][p]):.7g}" if p in scores[h] else f"{p}: -" for p in extra + missing)
+                return (f"{where}, {phase}, layer {l}, KV head {h}: evalkit kept {list(o)} "
+                        f"({len(o)}), oracle kept {list(t)} ({len(t)}); only evalkit {extra}, "
+                        f"only oracle {missing}{hint}")
     return None
 
 
@@ -705,6 +723,204 @@ def test_long_decodes_against_the_oracle(name, granularity, args, env):
         assert len(evicted) > LONG_NEW_TOKENS // 2 and survived, (name, sorted(evicted), sorted(survived))
         if granularity in ("page", "head_page"):
             assert len(pages) > 10, f"{name}: only decoded pages {sorted(pages)} were held whole and evicted whole"
+
+
+# --- conversations (issue #48): several turns on one compressed context ------------------------------------
+
+# `evalkit.loop.conversation.converse` against the oracle's conversation (`run_oracle`'s `later_turns`): the context
+# prefilled and compressed once, the first question answered as a single-question run, then per later turn one
+# forward of the previous answer's last token (answers run to max new tokens: EOS is unreachable, `model`) and the
+# turn's prompt, evicted back to the caps the first answer began with, and the turn's answer decoded with eviction
+# after every step. A budget of 16 tokens per KV head holds a fraction of what the turns add (about 45 tokens), so
+# the earlier turns' prompts and answers are scored, ranked and evicted in later turns.
+CONVERSATION_NEW_TOKENS = 10
+CONVERSATION_BUDGET = 16
+CONVERSATION_AWARE = dict(arch="llama", layout="paged", prefill="full", query_aware=True, decode_eviction=True,
+                          layers=2)
+CONVERSATION_AGNOSTIC = dict(arch="qwen2", layout="dense", prefill="chunked", query_aware=False,
+                             decode_eviction=True, layers=2)
+
+
+def conversations():
+    """(context, [turn prompts]) of 50 + (4, 3, 5) and 61 + (3, 5, 4) tokens, no id repeated within one (see
+    `batch`): the first answer begins mid-page in one (position 54) and on a page boundary in the other (64)."""
+    g = torch.Generator().manual_seed(5)
+    talks = []
+    for c, turns in ((50, (4, 3, 5)), (61, (3, 5, 4))):
+        ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + sum(turns)] + 3).tolist()
+        bounds = list(itertools.accumulate(turns, initial=c))
+        talks.append((ids[:c], [ids[a:b] for a, b in zip(bounds, bounds[1:])]))
+    return talks
+
+
+def run_conversation(name, granularity, args, budget, env, context, turns, new_tokens):
+    """evalkit's `converse` on one conversation: (each turn's answer, the kept [layer][KV head] after each prefill
+    chunk, after prefill, and after every later forward (and its compression), the events seen)."""
+    settings = GenerationSettings(make_policy(name, granularity, args), budget=budget, layout=env["layout"],
+                                  block_size=BLOCK, prefill=env["prefill"], chunk_size=CHUNK,
+                                  query_aware=env["query_aware"], decode_eviction=env["decode_eviction"], seed=SEED)
+    events = []
+
+    def observed_start(*args, **kwargs):  # `converse` takes no observer: its prefill's `start` is given one
+        return start(*args, observe=lambda event, cache: events.append((event, _snapshot(cache)[0])), **kwargs)
+
+    with mock.patch.object(evalkit.loop.conversation, "start", observed_start):
+        out = converse(model_of(env), None, Conversation(context, turns, new_tokens), settings)
+    chunks, prefill, after = [], None, []
+    for event, snap in events:
+        if prefill is None:
+            if event == "compressed":
+                chunks.append(snap)
+            elif event == "prefill":
+                prefill = snap
+        elif event == "forward":  # a later forward: its state is this, or the compression after it
+            after.append(snap)
+        elif event == "compressed":
+            after[-1] = snap
+    return [g.token_ids for g in out], chunks, prefill, after, {e for e, _ in events}
+
+
+def conversation_disagreement(name, granularity, args, budget, env, talks, new_tokens, traces=None) -> str | None:
+    """None when evalkit's conversation and the oracle's agree: every turn's answer, and the kept positions of
+    every (layer, KV head) after every prefill chunk, after prefill and after every later forward (each decode step,
+    each turn's prompt); else where they first differ."""
+    spec, settings = oracle_setup(name, granularity, args, budget, env)
+    case = (f"policy={name} granularity={granularity} args={args or 'published'} budget={budget} "
+            f"[{env['arch']}, {env['layout']}, prefill={env['prefill']}, "
+            f"{'query-aware' if env['query_aware'] else 'query-agnostic'}, "
+            f"decode eviction {'on' if env['decode_eviction'] else 'off'}, a conversation]")
+    for b, (context, turns) in enumerate(talks):
+        answers, chunks, prefill, after, events = run_conversation(name, granularity, args, budget, env, context,
+                                                                   turns, new_tokens)
+        trace = run_oracle(model_of(env), spec, settings, context, turns[0], new_tokens, later_turns=turns[1:])
+        if traces is not None:
+            traces.append(trace)
+        where = (f"{case}: conversation {b} (context {len(context)}, turns {[len(t) for t in turns]} tokens; "
+                 f"k={trace.budget}, k_l={trace.layer_budgets or 'not evicting'})")
+        if len(chunks) != len(trace.chunks):
+            return (f"{where}: evalkit reported {len(chunks)} compressions during prefill, the oracle "
+                    f"{len(trace.chunks)} chunks (events: {sorted(events)})")
+        for i, (ours, theirs) in enumerate(zip(chunks, trace.chunks)):
+            if (msg := first_difference(where, f"prefill chunk {i}", ours, theirs, trace, events)) is not None:
+                return msg
+        if (msg := first_difference(where, "after prefill", prefill, trace.prefill, trace, events)) is not None:
+            return msg
+        # The oracle's turns: (phase of the forward that fed the turn's prompt, or None for the first turn, whose
+        # prompt the prefill fed), its answer, the kept after each decode step.
+        oracle_turns = [(None, trace.tokens, trace.steps, "decode step ")]
+        oracle_turns += [((f"turn {t} prompt", turn.after_fed), turn.tokens, turn.steps, f"turn {t} decode step ")
+                         for t, turn in enumerate(trace.turns, start=2)]
+        if len(answers) != len(oracle_turns):
+            return f"{where}: evalkit answered {len(answers)} turns, the oracle {len(oracle_turns)}"
+        index = 0  # into evalkit's states after prefill
+        for t, ((prompt, tokens, steps, label), ours) in enumerate(zip(oracle_turns, answers), start=1):
+            if prompt is not None:
+                phase, theirs = prompt
+                state = after[index] if index < len(after) else None
+                if (msg := first_difference(where, phase, state, theirs, trace, events)) is not None:
+                    return msg
+                index += 1
+            for i, theirs in enumerate(steps):
+                if ours[:i + 1] != tokens[:i + 1]:
+                    return f"{where}: turn {t}'s token {i} differs: evalkit {ours[:i + 1]}, oracle {tokens[:i + 1]}"
+                state = after[index] if index < len(after) else None
+                if (msg := first_difference(where, f"{label}{i}", state, theirs, trace, events)) is not None:
+                    return msg
+                index += 1
+            if ours != tokens:
+                return f"{where}: turn {t}'s answer differs: evalkit {ours}, oracle {tokens}"
+        if index != len(after):
+            return f"{where}: evalkit ran {len(after)} forwards after prefill, the oracle {index}"
+    return None
+
+
+def earlier_turns_evicted(trace, context, turns, query_aware) -> set:
+    """From an oracle conversation, over every (layer, KV head): the (turn, position) pairs of a position fed after
+    the compressed prompt in an earlier turn (the first question when query-agnostic, an answer, a later turn's
+    prompt) that the head held when the turn began and no longer holds when it ends."""
+    start = len(context) + (0 if query_aware else len(turns[0]))  # the first position fed after compression
+    # The kept, and the tokens fed, as the second turn begins (the first answer's last token not yet fed).
+    began = trace.steps[-1] if trace.steps else trace.prefill
+    seen = len(context) + len(turns[0]) + len(trace.steps)
+    gone = set()
+    for number, turn in enumerate(trace.turns, start=2):
+        ended = turn.steps[-1] if turn.steps else turn.after_fed
+        for l, heads in enumerate(ended):
+            for h, final in enumerate(heads):
+                gone |= {(number, p) for p in set(began[l][h]) - set(final) if start <= p < seen}
+        began, seen = ended, seen + len(turn.fed) + len(turn.steps)
+    return gone
+
+
+# (name, granularity, --policy-arg, decode eviction): H2O, SnapKV, TOVA and KeyDiff at every granularity, and
+# StreamingLLM, alternately query-aware and query-agnostic; and a conversation whose cache grows by every turn.
+CONVERSATION_CASES = [
+    ("h2o_head", "head", {}, True),
+    ("h2o_token", "token", {}, True),
+    ("h2o_page", "page", {}, True),
+    ("h2o_head_page", "head_page", {}, True),
+    ("snapkv_head", "head", {"window": "8"}, True),
+    ("snapkv_token", "token", {"window": "6", "kernel": "3"}, True),
+    ("snapkv_page", "page", {"window": "8", "kernel": "5", "pooling": "avg"}, True),
+    ("snapkv_head_page", "head_page", {"window": "8"}, True),
+    ("tova", "token", {}, True),
+    ("tova_head", "head", {}, True),
+    ("tova_page", "page", {}, True),
+    ("tova_head_page", "head_page", {}, True),
+    ("keydiff_head", "head", {}, True),
+    ("keydiff_token", "token", {}, True),
+    ("keydiff_page", "page", {}, True),
+    ("keydiff_head_page", "head_page", {}, True),
+    ("streaming_llm", "head", {}, True),
+    ("h2o_head", "head", {}, False),
+]
+
+
+def _conversation_id(index: int, name: str, granularity: str, args: dict, decode_eviction: bool) -> str:
+    label = ",".join(f"{k}={v}" for k, v in args.items())
+    return (f"{name}-{granularity}{'-' + label if label else ''}-{'aware' if index % 2 == 0 else 'agnostic'}"
+            f"{'' if decode_eviction else '-no_decode_eviction'}")
+
+
+def _conversation_cases():
+    return [pytest.param(name, granularity, args,
+                         {**(CONVERSATION_AWARE, CONVERSATION_AGNOSTIC)[i % 2], "decode_eviction": decode_eviction},
+                         id=_conversation_id(i, name, granularity, args, decode_eviction))
+            for i, (name, granularity, args, decode_eviction) in enumerate(CONVERSATION_CASES)]
+
+
+@pytest.mark.parametrize("name, granularity, args, env", _conversation_cases())
+def test_conversations_against_the_oracle(name, granularity, args, env):
+    """Three turns on one compressed context: every answer, and the kept positions of every (layer, KV head) after
+    every forward, equal the oracle's conversation. The case has power: every answer runs to max new tokens, and
+    with decode eviction every head holds at most its decode cap after every forward and every later turn evicts
+    tokens of earlier turns (questions, answers); without it nothing fed after the prompt is ever evicted and the
+    cache grows by every turn."""
+    talks, traces = conversations(), []
+    message = conversation_disagreement(name, granularity, args, CONVERSATION_BUDGET, env, talks,
+                                        CONVERSATION_NEW_TOKENS, traces)
+    assert message is None, message
+    for (context, turns), trace in zip(talks, traces):
+        answers = [trace.tokens, *(turn.tokens for turn in trace.turns)]
+        assert trace.evicting and len(answers) == len(turns), (name, len(answers))
+        assert all(len(a) == CONVERSATION_NEW_TOKENS for a in answers), answers
+        later = [*trace.steps, *(s for turn in trace.turns for s in (turn.after_fed, *turn.steps))]
+        appended = 0 if env["query_aware"] else len(turns[0])
+        if env["decode_eviction"]:
+            for state in later:
+                for cap, heads in zip(trace.layer_budgets, state):
+                    assert all(len(held) <= cap + appended for held in heads), (name, cap, heads)
+            gone = earlier_turns_evicted(trace, context, turns, env["query_aware"])
+            assert {t for t, _ in gone} == set(range(2, len(turns) + 1)), \
+                f"{name}: some later turn evicted no token of an earlier turn: {sorted(gone)}"
+        else:
+            compressed = len(context) + (len(turns[0]) if env["query_aware"] else 0)
+            fed = compressed + appended + sum(len(t) for t in turns[1:]) + len(turns) * CONVERSATION_NEW_TOKENS - 1
+            for heads in later[-1]:  # every position fed after the compressed prompt is still held by every head
+                assert all(set(range(compressed, fed)) <= set(held) for held in heads), (name, heads)
+            sizes = [sum(len(held) for heads in state for held in heads)  # after prefill, as each turn ends
+                     for state in [trace.prefill, trace.steps[-1], *(turn.steps[-1] for turn in trace.turns)]]
+            assert sizes == sorted(set(sizes)), f"{name}: the cache did not grow by every turn: {sizes}"
 
 
 # --- rules only a corner decides (issue #53's mutation study: no other case failed when each was broken) -----
