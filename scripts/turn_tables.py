@@ -131,9 +131,13 @@ def plot(runs: list[dict], path: Path) -> None:
         axes.set_title(f"budget {budget}", fontsize=9)
         axes.set_ylim(-3, 103)
         axes.set_xlabel("turn")
+        axes.xaxis.get_major_locator().set_params(integer=True)
         axes.grid(alpha=0.3)
-    figure.axes[0].set_ylabel(f"score (%), mean over {', '.join(every)}")
+    figure.axes[0].set_ylabel("score (%)")
     figure.axes[-1].legend(fontsize=8)
+    n = min(x["n"] for _, x in rows)
+    figure.suptitle(f"Score by turn, a line per granularity: the mean over {', '.join(every)} (n ≥ {n} a cell)",
+                    fontsize=9)
     figure.tight_layout()
     figure.savefig(path)
 
