@@ -34,7 +34,8 @@ def test_every_measurement_has_its_rows_and_positive_ratios(speed_run, tiny_mode
     by_measure = {}
     for row in rows:
         by_measure.setdefault(row["measure"], []).append(row)
-    assert sorted(by_measure) == ["kvzip", "loop", "overhead", "statistics", "sweep", "sweep memory"]
+    assert sorted(by_measure) == ["kvzip", "loop", "overhead", "ppl", "ppl loop", "ppl static", "statistics", "sweep",
+                                  "sweep memory"]
     assert [r["length"] for r in by_measure["kvzip"]] == [LENGTH]
     assert [r["length"] for r in by_measure["loop"]] == [LENGTH]
     (loop,) = by_measure["loop"]
@@ -51,11 +52,24 @@ def test_every_measurement_has_its_rows_and_positive_ratios(speed_run, tiny_mode
     assert {r["case"] for r in by_measure["statistics"]} == {"h2o column sums", "snapkv window 32", "both", floor}
     for row in rows:
         assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
-        assert row["target"].startswith(("<=", ">=")) or row["case"] in ("both", floor), row
+        assert row["target"].startswith(("<=", ">=")) or row["case"] in ("both", floor) or \
+            row["measure"] in ("ppl", "ppl static"), row
     (floor_row,) = [r for r in by_measure["statistics"] if r["case"] == floor]
     assert floor_row["ratio"] > 1 and floor_row["seconds"] > floor_row["plain_seconds"]
     assert document["command"].startswith("evalkit bench --speed all")
     assert document["model"] == str(tiny_model_dir)
+
+
+def test_token_by_token_perplexity_is_timed_against_its_baselines_with_the_same_log_probabilities(speed_run):
+    """`ppl`: one passage of LENGTH tokens, LENGTH - 1 of them fed one at a time; the static step's log-probabilities
+    are the eager step's, and evalkit's at budget 1 HF's own token by token, to float32 rounding."""
+    document, out = speed_run
+    rows = {r["measure"]: r for r in document["rows"] if r["measure"].startswith("ppl")}
+    assert all(r["length"] == LENGTH and r["tokens"] == LENGTH - 1 and r["seconds"] > 0 for r in rows.values())
+    assert rows["ppl"]["one_forward_seconds"] > 0 and rows["ppl static"]["eager_seconds"] > 0
+    assert rows["ppl static"]["max_logprob_difference"] < 1e-4
+    assert rows["ppl loop"]["max_logprob_difference"] < 1e-4 and rows["ppl loop"]["hf_seconds"] > 0
+    assert "tok/s" in out and "HF token by token" in out
 
 
 def test_the_shared_sweep_writes_what_one_run_per_cell_writes(speed_run):

@@ -1,7 +1,8 @@
 """`ppl`: passages, per-bucket loss, the Austen text, and the runner's streaming perplexity.
 
 Budget 1 must equal the full model's loss over the whole passage in one forward
-pass; StreamingLLM at a lower budget, the same pass masked to the tokens it keeps.
+pass, in chunks and token by token (`--chunk-size 1`); StreamingLLM at a lower
+budget, the same pass masked to the tokens it keeps.
 """
 
 import json
@@ -12,11 +13,14 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, tiny_model
 from evalkit.assets import AUSTEN_NOVELS, austen_dir, cache_root, default_model_dir
 from evalkit.cli import main
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
+from evalkit.loop import GenerationSettings, score_rolling
+from evalkit.loop.static_decode import StaticStep
+from evalkit.policies import make_policy
 from evalkit.runner import run
 from evalkit.tasks import TASKS
 from evalkit.tasks import ppl as ppl_module
@@ -129,17 +133,17 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-def ppl_run(folder, out, policy, budget):
-    config = RunConfig(policy=policy, budget=budget, task="ppl", task_args={"text": "essays", "bucket": str(BUCKET)},
-                       length=LENGTH, samples=2, chunk_size=CHUNK, model=str(folder), dtype="float32",
+def ppl_run(folder, out, policy, budget, chunk=CHUNK, bucket=BUCKET):
+    config = RunConfig(policy=policy, budget=budget, task="ppl", task_args={"text": "essays", "bucket": str(bucket)},
+                       length=LENGTH, samples=2, chunk_size=chunk, model=str(folder), dtype="float32",
                        device="cpu", out=str(out), wandb="off")
     result = run(config)
     records = [json.loads(line) for line in (out / result.run_id / "predictions.jsonl").read_text().splitlines()]
     return result.metrics, records
 
 
-def forward_nll(folder, records, allowed=None) -> list[list[float]]:
-    """Per passage, the negative log-probability of each token from position CHUNK on, in one forward
+def forward_nll(folder, records, allowed=None, first=CHUNK) -> list[list[float]]:
+    """Per passage, the negative log-probability of each token from position `first` on, in one forward
     pass of the whole passage; `allowed(query, key)` (positions) masks attention where given."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,7 +159,7 @@ def forward_nll(folder, records, allowed=None) -> list[list[float]]:
         ids = tokenizer(samples[record["id"]].context).input_ids[:LENGTH]
         with torch.no_grad():
             logprobs = torch.log_softmax(model(torch.tensor([ids]), attention_mask=mask).logits[0].double(), -1)
-        losses.append([-float(logprobs[p - 1, ids[p]]) for p in range(CHUNK, LENGTH)])
+        losses.append([-float(logprobs[p - 1, ids[p]]) for p in range(first, LENGTH)])
     return losses
 
 
@@ -175,6 +179,55 @@ def test_budget_one_equals_one_full_forward_pass(tiny_folder, tmp_path):
     assert [(b["start"], b["end"], b["tokens"]) for b in full["by_position"]] == [
         (64, 128, 128), (128, 192, 128), (192, 256, 128), (256, 300, 88)]  # two passages a bucket
     assert full["text"].startswith("Paul Graham essays") and full["higher_is_better"] is False
+
+
+def test_chunk_size_one_scores_every_token_but_the_first_as_one_forward_pass(tiny_folder, tmp_path):
+    """`--chunk-size 1` at budget 1, a bucket a position: every token's loss is the whole passage's forward
+    pass's, to 1e-4 (the tolerance and its reason: `test_token_by_token_at_budget_one_equals_one_forward_pass`)."""
+    metrics, records = ppl_run(tiny_folder, tmp_path, "h2o_head", 1.0, chunk=1, bucket=1)
+    assert metrics["scored_from"] == 1 and metrics["scored_tokens"] == 2 * (LENGTH - 1)
+    for record, losses in zip(records, forward_nll(tiny_folder, records, first=1)):
+        assert record["kept_tokens"] == LENGTH - 1  # nothing evicted
+        positions = [(b["start"], b["end"], b["tokens"]) for b in record["buckets"]]
+        assert positions == [(p, p + 1, 1) for p in range(1, LENGTH)]
+        assert [b["nll"] for b in record["buckets"]] == pytest.approx(losses, rel=0, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("decode_step", ["eager", "static"])
+@pytest.mark.parametrize("name", ["full", "h2o_head", "h2o_page", "snapkv_head_page", "streaming_llm", "tova_token"])
+def test_token_by_token_at_budget_one_equals_one_forward_pass(tiny, monkeypatch, name, decode_step):
+    """Two 150-token sequences fed one token a step at budget 1, through either decode step: every token's
+    log-probability is the one forward pass's over the whole sequence, to 1e-4. Not to the bit, in float32: the
+    pass multiplies [T, d] matrices and attends with one causal SDPA, the steps multiply one row at a time and
+    attend one query over the cached K/V, so sums run in other orders and the rounding (measured: at most
+    1.7e-5 on this wide-init model, log-probabilities down to -12.5) differs. A token missed or seen in excess
+    moves a log-probability by far more: at budget 0.3 the same policies are 1 or more apart."""
+    steps = []
+    step = StaticStep.step
+    monkeypatch.setattr(StaticStep, "step", lambda self: (steps.append(self), step(self)))
+    sequences = torch.randint(0, 128, (2, 150), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        expected = torch.log_softmax(tiny(torch.tensor(sequences)).logits.double(), -1)[:, :-1].gather(
+            2, torch.tensor(sequences)[:, 1:, None])[..., 0]  # [B, 149]: token p from positions < p
+
+    def scored(budget):
+        settings = GenerationSettings(make_policy(name), budget=budget, block_size=4, chunk_size=1,
+                                      decode_step=decode_step)
+        return score_rolling(tiny, sequences, [149, 149], settings)
+
+    scores = scored(1.0)
+    assert len(steps) == (149 if decode_step == "static" else 0)
+    for score, want in zip(scores, expected):
+        assert score.kept_tokens == 149
+        torch.testing.assert_close(torch.tensor(score.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-4)
+    if name != "full":  # the comparison sees eviction
+        assert max((torch.tensor(s.logprobs, dtype=torch.float64) - w).abs().max() for s, w in
+                   zip(scored(0.3), expected)) > 1
 
 
 def test_a_lower_budget_equals_a_forward_pass_masked_to_what_streaming_llm_keeps(tiny_folder, tmp_path):

@@ -10,7 +10,7 @@ from conftest import SHORT_PROMPT_ARGS, tiny_model
 from evalkit.attention import evalkit_attention
 from evalkit.cache import PoolExhausted
 from evalkit.errors import EvalkitError
-from evalkit.loop import GenerationSettings, Request, generate
+from evalkit.loop import GenerationSettings, Request, generate, score_rolling
 from evalkit.loop.generate import start
 from evalkit.loop.static_decode import StaticStep, policy_refusal, static_step
 from evalkit.policies import PAGE_GRANULARITIES, make_policy
@@ -140,6 +140,51 @@ def test_the_static_step_keeps_and_generates_what_the_eager_step_does(model, nam
                 torch.testing.assert_close(s, e, rtol=0, atol=1e-5)
 
 
+def _token_by_token(model, name: str, layout: str, mode: str):
+    """(Scores, each (layer, sequence, KV head)'s kept positions at the end) of `score_rolling` over two
+    80-token sequences in chunks of one token, at budget 0.3."""
+    sequences = torch.randint(0, 128, (2, 80), generator=torch.Generator().manual_seed(1)).tolist()
+    kept = []
+
+    def observe(event, cache):
+        if event == "prefill":
+            kept.extend(sorted(p for p in layer.gather(layer.pos, layer.slot_index())[b, h].tolist() if p >= 0)
+                        for layer in cache.layers for b in range(layer.batch) for h in range(layer.kv_heads))
+
+    settings = GenerationSettings(policy(name), budget=0.3, block_size=4, layout=layout, chunk_size=1,
+                                  decode_step=mode)
+    return score_rolling(model, sequences, [79, 79], settings, observe), kept
+
+
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+@pytest.mark.parametrize("name", ["h2o_head", "h2o_page", "h2o_head_page", "snapkv_head_page", "streaming_llm",
+                                  "tova_token"])
+def test_token_by_token_perplexity_through_the_static_step_equals_the_eager_path(model, monkeypatch, name, layout):
+    """Teacher forcing one token a step (`ppl --chunk-size 1`) through the static step, its tokens given rather
+    than picked, nothing read back to the host: the same tokens kept, the same bytes held (a frozen head's
+    reserved pages are not counted) and greedy flags as the eager path, and the same log-probabilities but for
+    rounding: until a head reaches its cap the static step also attends over its empty slots, masked, so the
+    sums run over more terms (measured: at most 6e-6 apart)."""
+    eager, eager_kept = _token_by_token(model, name, layout, "eager")
+    steps = []
+    step = StaticStep.step
+
+    def guarded(self):
+        with no_host_reads(monkeypatch):
+            step(self)
+        steps.append(self)
+
+    monkeypatch.setattr(StaticStep, "step", guarded)
+    static, static_kept = _token_by_token(model, name, layout, "static")
+    assert len(steps) == 79  # every token through the static step
+    assert static_kept == eager_kept
+    for e, s in zip(eager, static):
+        assert e.kept_tokens < 79  # the budget evicted
+        assert (s.kept_tokens, s.bytes_held, s.bytes_ideal, s.greedy) == (e.kept_tokens, e.bytes_held,
+                                                                           e.bytes_ideal, e.greedy)
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(e.logprobs), rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("name, budget, options", [
     ("full", 1.0, {}), ("full", 1.0, dict(decode_eviction=False)), ("h2o_head", 0.1, {}),
     ("h2o_head", 0.4, dict(decode_eviction=False, layout="dense")), ("h2o_token", 0.4, dict(sliding_layers="window")),
@@ -213,3 +258,16 @@ def test_the_cuda_graph_replays_the_static_step_bit_for_bit(name):
         settings = GenerationSettings(policy(name), budget=0.4, block_size=4, decode_step=mode)
         runs[mode] = [g.token_ids for g in generate(model, None, requests(), settings)]
     assert runs["graph"] == runs["static"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("name", ["full", "h2o_head", "h2o_page", "snapkv_head_page"])
+def test_token_by_token_perplexity_in_a_cuda_graph_scores_what_the_static_step_scores(name):
+    """`ppl --chunk-size 1` on CUDA takes the graph by default: the same tokens kept and bytes held, and the same
+    log-probabilities, to 1e-5 rather than the bit: cuBLAS may pick other kernels for the capture."""
+    model = tiny_model().cuda()
+    runs = {mode: _token_by_token(model, name, "paged", mode) for mode in ("static", "graph")}
+    assert runs["graph"][1] == runs["static"][1]
+    for s, g in zip(*(runs[mode][0] for mode in ("static", "graph"))):
+        assert (g.kept_tokens, g.bytes_held, g.bytes_ideal) == (s.kept_tokens, s.bytes_held, s.bytes_ideal)
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(s.logprobs), rtol=0, atol=1e-5)

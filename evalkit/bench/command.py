@@ -47,8 +47,8 @@ def bench(
     out_dir: str = typer.Option("runs/bench", "--out", help="Folder for bench.json, bench.png and components.png."),
     fresh: bool = typer.Option(False, "--fresh", help="Measure every cell again instead of reusing bench.json's."),
     speed: str = typer.Option("", help="Instead of the grid, the main job's speed against its baselines "
-                                       "(comma-separated: loop, overhead, statistics, sweep; 'all'): "
-                                       "<out>/speed.json. Uses --model, --lengths, --repeats, --threads, "
+                                       "(comma-separated: loop, overhead, statistics, kvzip, sweep, ppl; "
+                                       "'all'): <out>/speed.json. Uses --model, --lengths, --repeats, --threads, "
                                        "--samples; docs/benchmarks.md."),
     samples: int = typer.Option(3, help="With --speed sweep: samples of the default task per cell."),
 ):

@@ -1,6 +1,6 @@
 """`evalkit bench --speed`: the main job's speed, as ratios against baselines timed in the same run.
 
-Five measurements (docs/benchmarks.md, "The main job's speed"), each interleaved with its baseline
+Six measurements (docs/benchmarks.md, "The main job's speed"), each interleaved with its baseline
 (baseline, subject, baseline, ...; medians of `repeats` after a warm-up):
 - loop: evalkit `full` against HF `generate` (sdpa) on the model (default: the embedded default), same prompt, 16 new tokens
   (EOS off), seconds per prompt at each length; and each with 1 new token (its prefill), for the split;
@@ -17,7 +17,11 @@ Five measurements (docs/benchmarks.md, "The main job's speed"), each interleaved
   shortest length, all
   cells through one shared prefill per sample (`runner.run_many`) against the same cells one `run`
   at a time, in this process; results compared line by line; then the peak RSS of each way in a
-  child process, against one full-cache run's.
+  child process, against one full-cache run's;
+- ppl: token-by-token perplexity (`evalkit run --task ppl --chunk-size 1`, `score_rolling`) of one essay passage
+  at the shortest length, h2o_head @ 0.2: its tokens/s against the same passage in one forward (a chunk as long
+  as the passage), the static decode step against the eager one, and evalkit's pass at budget 1 against HF's
+  own forward one token at a time; the log-probabilities of each pair compared.
 """
 
 from __future__ import annotations
@@ -37,26 +41,28 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
 from evalkit.attention_ops import causal_tiles
 from evalkit.bench.checks import items, parse_length
 from evalkit.bench.generations import bench_prompts, eos_disabled
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.loop import GenerationSettings, Request, generate, share_prefill
+from evalkit.loop import GenerationSettings, Request, generate, score_rolling, share_prefill
 from evalkit.loop.shared_prefill import reconstruction_key
 from evalkit.models import load_model, model_config
 from evalkit.policies import make_policy
 from evalkit.results import check_writable_folder, package_versions, write_json_atomic
 from evalkit.runner import run, run_many
+from evalkit.tasks.ppl import Perplexity
 
-MEASURES = ("loop", "overhead", "statistics", "kvzip", "sweep")
+MEASURES = ("loop", "overhead", "statistics", "kvzip", "sweep", "ppl")
 
 SWEEP_POLICIES = ["h2o_head", "h2o_page", "snapkv_head", "tova_token", "knorm_head", "streaming_llm",
                   "pyramidkv_head", "h2o_head_page"]
 SWEEP_BUDGETS = [0.1, 0.2, 0.5]
 NEW_TOKENS = 16
+PPL_POLICY, PPL_BUDGET = "h2o_head", 0.2
 
 
 def interleaved(functions: dict, repeats: int) -> dict[str, float]:
@@ -238,14 +244,65 @@ def measure_sweep(model_name: str, length: int, samples: int) -> list[dict]:
              "sweep_peak_rss": sweep_rss, "ratio": sweep_rss / full_rss, "target": "<= 1.5 (over one full run)"}]
 
 
+def measure_ppl(model_name: str, length: int, repeats: int) -> list[dict]:
+    model, tokenizer = load_model(model_name)
+    passage = Perplexity(text="essays").samples(None, length, 1, seed=0)[0]
+    ids = tokenizer(passage.context).input_ids[:length]
+    logprobs: dict[str, list[float]] = {}  # each way's last answer
+
+    def rolling(name: str, policy: str, budget: float, chunk: int, step: str = "eager"):
+        settings = GenerationSettings(make_policy(policy), budget=budget, chunk_size=chunk, decode_step=step)
+
+        def call():
+            logprobs[name] = score_rolling(model, [ids], [len(ids) - 1], settings)[0].logprobs
+        return call
+
+    def hf():
+        logprobs["hf"] = hf_token_by_token(model, ids)
+
+    t = interleaved({"one forward": rolling("one forward", PPL_POLICY, PPL_BUDGET, len(ids)),
+                     "eager": rolling("eager", PPL_POLICY, PPL_BUDGET, 1),
+                     "static": rolling("static", PPL_POLICY, PPL_BUDGET, 1, "static"),
+                     "full": rolling("full", "full", 1.0, 1), "hf": hf}, repeats)
+
+    def apart(a: str, b: str) -> float:
+        return max(abs(x - y) for x, y in zip(logprobs[a], logprobs[b]))
+
+    tokens = len(ids) - 1  # fed; each predicts the next
+    case = f"{PPL_POLICY} @ {PPL_BUDGET}"
+    return [{"measure": "ppl", "case": f"{case}, chunk 1", "length": length, "tokens": tokens,
+             "one_forward_seconds": t["one forward"], "seconds": t["eager"], "ratio": t["one forward"] / t["eager"],
+             "target": ""},
+            {"measure": "ppl static", "case": f"{case}, chunk 1", "length": length, "tokens": tokens,
+             "eager_seconds": t["eager"], "seconds": t["static"], "ratio": t["eager"] / t["static"],
+             "max_logprob_difference": apart("eager", "static"), "target": ""},
+            {"measure": "ppl loop", "case": "full cache, chunk 1", "length": length, "tokens": tokens,
+             "hf_seconds": t["hf"], "seconds": t["full"], "ratio": t["hf"] / t["full"],
+             "max_logprob_difference": apart("hf", "full"),
+             "target": ">= 0.9 (evalkit's token-by-token tokens/s over HF's)"}]
+
+
+def hf_token_by_token(model, ids: list[int]) -> list[float]:
+    """Each token's log-probability from HF's own forward, one token at a time with its DynamicCache: what the
+    model alone costs token by token."""
+    cache = DynamicCache(config=model.config)
+    logprobs = []
+    with torch.inference_mode():
+        for token, following in zip(ids, ids[1:]):
+            logits = model(torch.tensor([[token]], device=model.device), cache=cache, use_cache=True).logits[0, -1]
+            logprobs.append(float(torch.log_softmax(logits.float(), -1)[following]))
+    return logprobs
+
+
 def measure(only: list[str], model: str, lengths: list[int], repeats: int, samples: int,
             describe=lambda text: None) -> list[dict]:
-    """The rows of every measurement in `only` (names from MEASURES), in that order; the sweep runs at the
-    shortest of `lengths`."""
+    """The rows of every measurement in `only` (names from MEASURES), in that order; the sweep and ppl run at
+    the shortest of `lengths`."""
     measures = {"loop": lambda: measure_loop(model, lengths, repeats), "overhead": lambda: measure_overhead(repeats),
                 "statistics": lambda: measure_statistics(model, lengths, repeats),
                 "kvzip": lambda: measure_kvzip(model, lengths, repeats),
-                "sweep": lambda: measure_sweep(model, min(lengths), samples)}
+                "sweep": lambda: measure_sweep(model, min(lengths), samples),
+                "ppl": lambda: measure_ppl(model, min(lengths), repeats)}
     rows = []
     for name in only:
         describe(name)
@@ -269,7 +326,10 @@ _BASELINE = {"loop": ("HF generate", "hf_seconds", "evalkit_seconds"),
              "statistics": ("plain prompt forward", "plain_seconds", "seconds"),
              "kvzip": ("plain prompt forward", "plain_seconds", "seconds"),
              "sweep": ("one run per cell", "one_at_a_time_seconds", "shared_seconds"),
-             "sweep memory": ("one full-cache run", "full_run_peak_rss", "sweep_peak_rss")}
+             "sweep memory": ("one full-cache run", "full_run_peak_rss", "sweep_peak_rss"),
+             "ppl": ("the passage in one forward", "one_forward_seconds", "seconds"),
+             "ppl static": ("the eager step", "eager_seconds", "seconds"),
+             "ppl loop": ("HF token by token", "hf_seconds", "seconds")}
 
 
 def speed_table(rows: list[dict], title: str):
@@ -288,6 +348,10 @@ def speed_table(rows: list[dict], title: str):
             case = f"{case}, {row['length']} tokens"
         if row["measure"] == "sweep":
             case += ", identical results" if row["identical_results"] else ", RESULTS DIFFER"
+        if row["measure"].startswith("ppl"):
+            apart = row.get("max_logprob_difference")
+            case += (f" ({row['tokens'] / row[base_key]:.1f} / {row['tokens'] / row[own_key]:.1f} tok/s"
+                     + ("" if apart is None else f", log-probs at most {apart:.1e} apart") + ")")
         if row["measure"] == "overhead":
             case += f" ({row['hf_step_ops']:.0f} / {row['evalkit_step_ops']:.0f} ATen ops a step: HF / evalkit)"
         table.add_row(row["measure"], case, baseline, _shown(row, base_key), _shown(row, own_key),

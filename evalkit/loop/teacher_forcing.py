@@ -10,9 +10,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from evalkit.attention import evalkit_attention
+from evalkit.cache import KVCache
 from evalkit.loop.compression import budgets_for, compress
 from evalkit.loop.generate import prefill, restrict_reads
-from evalkit.loop.state import GenerationSettings, Observer, forward, full_cache_bytes, new_state, split_prompts
+from evalkit.loop.static_decode import StaticStep, static_step
+from evalkit.loop.state import (GenerationSettings, LoopState, Observer, forward, full_cache_bytes, new_state,
+                                split_prompts)
 
 
 @dataclass
@@ -124,23 +127,35 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
     in one chunk nothing would be read through the sparse cache), compressing to the budget, a
     fraction of the fed tokens, after every chunk; so each token is predicted from the ones before it
     that the cache kept, plus its own chunk, and the cache never exceeds budget + chunk.
+
+    Chunks of one token (H2O's and StreamingLLM's token-by-token evaluation) are decode steps whose tokens are
+    given rather than picked: where `settings.decode_step` takes the static step (`loop.static_decode`; by
+    default a CUDA graph on CUDA, and the eager step on a CPU, where the static one is no faster) and every
+    sequence is as long, they run through it.
     """
-    settings = replace(settings, prefill="chunked")
+    settings = replace(settings, prefill="chunked", temperature=0.0)  # nothing is sampled
     policy = settings.policy
     inputs = [list(s[:-1]) for s in sequences]
     policy.prepare(model)
     budgets = budgets_for(model, settings, inputs)
     lengths = budgets.lengths
     state = new_state(model, settings, lengths, budgets.caps, torch.zeros(len(inputs), dtype=torch.long), observe)
-    cache = state.cache
     first_scored = [len(t) - n for t, n in zip(inputs, scored)]
     logprobs: list[list[float]] = [[] for _ in inputs]
     greedy = [True] * len(inputs)
     chunk = settings.chunk_size
+    longest = max(len(t) for t in inputs)
     with evalkit_attention(model):
         state.collect = policy.collect_prefill if budgets.any_evicting else None
-        for start in range(0, max(len(t) for t in inputs), chunk):
-            logits, counts = forward(state, [t[start:start + chunk] for t in inputs], all_logits=True)
+        # The static step feeds every sequence a token a step: a ragged batch takes the eager path.
+        static = static_step(state, budgets.caps, budgets.any_evicting, longest) \
+            if chunk == 1 and all(len(t) == longest for t in inputs) else None
+        for start in range(0, longest, chunk):
+            if static is not None:  # logits [B, 1, V]; the step evicts
+                logits, counts = static([t[start:start + 1] for t in inputs])[:, None], torch.ones_like(lengths)
+            else:
+                logits, counts = forward(state, [t[start:start + chunk] for t in inputs], all_logits=True)
+                compress(state, budgets.caps)
             width = logits.shape[1]
             for b, sequence in enumerate(sequences):
                 n = int(counts[b])
@@ -151,8 +166,10 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
                 targets = torch.tensor(sequence[start + skip + 1:start + n + 1], device=rows.device)
                 logprobs[b] += rows.gather(1, targets[:, None])[:, 0].tolist()
                 greedy[b] = greedy[b] and bool((rows.argmax(-1) == targets).all())
-            compress(state, budgets.caps)
-        state.cache.compact()
+        if static is not None:
+            state.cache = _thawed(state, static, lengths, budgets.caps)
+        cache = state.cache
+        cache.compact()
         if observe:
             observe("prefill", cache)
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
@@ -160,3 +177,13 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
     full = full_cache_bytes(state, lengths)
     return [Score(logprobs[b], greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]), int(full[b]))
             for b in range(len(inputs))]
+
+
+def _thawed(state: LoopState, static: StaticStep, lengths: torch.Tensor, caps: torch.Tensor) -> KVCache:
+    """The static step's live tokens in a cache built as its own was (`lengths` [B], `caps` [L, B]), packed as
+    `compact` packs them: a frozen head keeps every page it reserved (`SlotLayer.freeze`) where the eager path
+    returns those it empties, and the bytes held after the last token are reported."""
+    cache = new_state(state.model, state.settings, lengths, caps, torch.zeros_like(lengths), None).cache
+    for layer, frozen, slots in zip(cache.layers, state.cache.layers, static.slots):
+        layer.fill(frozen, slots.index, frozen.gather(frozen.pos, slots.index) >= 0)
+    return cache
