@@ -221,6 +221,7 @@ def aggregate(records: list[dict]) -> dict:
         "held_over_full": total("bytes_held") / total("bytes_full"),
         "held_over_ideal": total("bytes_held") / max(1, total("bytes_ideal")),
         "attended_fraction": total("attended_fraction") / n,
+        "new_tokens": total("new_tokens") / n,
         "prefill_tokens_per_s": total("prompt_tokens") / max(1e-9, total("prefill_seconds")),
         "decode_tokens_per_s": total("new_tokens") / max(1e-9, total("decode_seconds")),
         "seconds": total("prefill_seconds") + total("decode_seconds"),

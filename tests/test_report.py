@@ -512,3 +512,34 @@ def test_the_page_shows_each_runs_share_of_its_predictions(monkeypatch, tmp_path
     html = (tmp_path / "r" / "index.html").read_text()
     assert html.count("(first 2 of 5)") == 2
     assert "prediction 1<" in html and "prediction 2<" not in html
+
+
+def test_answer_lengths_are_set_against_the_full_caches_on_the_same_samples(tmp_path):
+    runs = tmp_path / "runs"
+    base = {"task": "ruler:niah_single_2", "length": 2048, "samples": 3, "model": "m", "seed": 0, "query_aware": True}
+    lengths = {"full": [10, 10, 40], "h2o_head": [20, 5, 7]}
+    for policy, tokens in lengths.items():
+        _write_run(runs, policy, {**base, "policy": policy, "budget": 1.0 if policy == "full" else 0.2},
+                   _metrics(0.0, 0.2), [{"id": f"s{i}", "score": 0, "new_tokens": n} for i, n in enumerate(tokens)])
+    # A sample the full cache never ran does not count against it.
+    (runs / "h2o_head" / "predictions.jsonl").open("a").write(json.dumps({"id": "s9", "score": 0, "new_tokens": 99}) + "\n")
+    build_report(runs, tmp_path / "report")
+    row = _leaderboard(tmp_path / "report")["h2o_head"]
+    assert float(row["new_tokens"]) == (20 + 5 + 7 + 99) / 4
+    assert float(row["new_tokens_over_full"]) == (20 + 5 + 7) / (10 + 10 + 40)
+
+
+def test_multiturn_runs_get_a_quality_by_turn_plot(tmp_path):
+    runs = tmp_path / "runs"
+    base = {"task": "ruler:multiturn_niah", "length": 2048, "samples": 1, "model": "m", "seed": 0, "query_aware": False}
+    for policy, budget in (("full", 1.0), ("h2o_head", 0.2), ("h2o_head_page", 0.2)):
+        by_turn = [{"turn": t, "score": 0.5, "ci_low": 0.1, "ci_high": 0.9, "held_over_full": budget} for t in (1, 2, 3)]
+        _write_run(runs, policy, {**base, "policy": policy, "budget": budget}, {**_metrics(0.5, budget),
+                                                                                "by_turn": by_turn}, [])
+    build_report(runs, tmp_path / "report")
+    (png,) = (tmp_path / "report").glob("quality-by-turn-*.png")
+    assert png.stat().st_size > 0 and f'src="{png.name}"' in (tmp_path / "report" / "index.html").read_text()
+    from evalkit.report.page import load_entries
+    from evalkit.report.plots import turn_lines
+
+    assert sorted(turn_lines(load_entries([runs])[0])) == ["h2o_head @ 0.2", "h2o_head_page @ 0.2"]

@@ -37,7 +37,7 @@ COLUMNS = [  # the page's run table: (heading, key in a row, display format); th
 ]  # the tokens per second are in the CSV
 _CSV_COLUMNS = ["task", "length", "setting", "policy", "series", "budget", "budget_fraction", "auc", "relative_auc",
                 "score", "ci_low", "ci_high", "relative_score", "full_cache_score", "p_vs_full", "significance",
-                "bytes_held", "held_over_full", "held_over_ideal",
+                "bytes_held", "held_over_full", "held_over_ideal", "new_tokens", "new_tokens_over_full",
                 "prefill_tokens_per_s", "decode_tokens_per_s", "samples", "run_id"]
 
 
@@ -70,13 +70,26 @@ def leaderboard_rows(entries: list) -> list[dict]:
             "held_over_full": m.get("held_over_full"), "held_over_ideal": m.get("held_over_ideal"),
             "prefill_tokens_per_s": m.get("prefill_tokens_per_s"),
             "decode_tokens_per_s": m.get("decode_tokens_per_s"), "samples": m.get("samples"), "run_id": e.run_id,
-            **_uncertainty(e),
+            **_answer_lengths(e), **_uncertainty(e),
         })
     def rank(r):  # best first: the highest AUC, or the lowest where lower is better (perplexity)
         auc = r["auc"] if r["auc"] is not None else (math.inf if r["lower_is_better"] else -math.inf)
         return auc if r["lower_is_better"] else -auc
 
     return sorted(rows, key=lambda r: (r["setting"], rank(r), r["series"], r["budget_fraction"]))
+
+
+def _answer_lengths(e) -> dict:
+    """Mean new tokens a sample, and their total over the full cache's on the samples both ran (eviction can
+    lengthen answers, or make them loop: docs/tasks.md, long answers)."""
+    mine = {r["id"]: r["new_tokens"] for r in e.records if "new_tokens" in r}
+    if not mine:
+        return {}
+    full = {r["id"]: r["new_tokens"] for r in e.baseline_entry.records if "new_tokens" in r} if e.baseline_entry else {}
+    both = mine.keys() & full.keys()
+    full_total = sum(full[i] for i in both)
+    return {"new_tokens": sum(mine.values()) / len(mine),
+            "new_tokens_over_full": sum(mine[i] for i in both) / full_total if full_total else None}
 
 
 def _uncertainty(e) -> dict:
