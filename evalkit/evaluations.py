@@ -84,12 +84,16 @@ def generation_evaluation(task: Task, samples: list[Sample], config: RunConfig, 
             gen.bytes_ideal, gen.bytes_full, len(gen.token_ids), gen.attended_fraction, sample.meta,
             # Batch-wide timings, divided evenly so sums over records stay right.
             {key: value / len(batch) for key, value in gen.timing.items() if key.endswith("seconds")},
-            {"prediction": gen.text, "references": sample.references},
+            {"prediction": gen.text, "references": sample.references,
+             **({"details": details} if (details := task.score_details(gen.text, sample.references)) else {})},
         ).as_dict() for (sample, _), gen in zip(batch, generations)]
 
     def summarize(records: list[dict]) -> dict:
+        details = sorted({key for r in records for key in r.get("details", {})})
         return {**aggregate(records), "metric": task.metric, "higher_is_better": True,
-                **score_interval(records).as_metrics()}
+                **score_interval(records).as_metrics(),
+                **({"details": {key: sum(r["details"][key] for r in records) / len(records) for key in details}}
+                   if details else {})}
 
     return Evaluation(samples, encoded, evaluate, summarize, share)
 

@@ -128,6 +128,8 @@ _MODEL_FIXTURES = {
     ("test_longbench", "prompt_length"): "the default model's tokenizer",
     ("test_niah_grid", "tokenizer"): "the default model's tokenizer",
     ("test_multiturn", "tokenizer"): "the default model's tokenizer",
+    ("test_long_answer", "prompt_length"): "the default model's tokenizer",
+    ("test_long_answer", "tiny_folder"): "save_tiny_model",
     ("test_sweep", "swept"): "a sweep on the default model, killed and resumed (test_report uses it too)",
 }
 

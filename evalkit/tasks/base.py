@@ -70,5 +70,10 @@ class Task(ABC):
     def score(self, prediction: str, references: list[str]) -> float:
         """Score in [0, 1] for one prediction."""
 
+    def score_details(self, prediction: str, references: list[str]) -> dict[str, float]:
+        """Other numbers of one prediction, kept in its record under "details" and averaged into metrics.json's
+        "details" (a long answer's edit similarity beside its score); none by default."""
+        return {}
+
 
 TASKS: Registry[Task] = Registry("task")

@@ -4,7 +4,7 @@ RULER scores a whole prediction file and reports mean × 100 rounded to two
 decimals; here each function scores one prediction in [0, 1] and the runner
 aggregates. Predictions are first cleaned as RULER's `postprocess_pred` does.
 
-LongBench's metrics follow them, below.
+LongBench's metrics follow them, then those of the long-answer tasks.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import re
 import string
 from collections import Counter
 from typing import Callable, Sequence
+
+from evalkit.tasks.haystack import split_sentences
 
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f]")
 
@@ -253,3 +255,57 @@ def exact(prediction: str, references: list[str]) -> float:
 
 
 METRICS["exact"] = exact
+
+
+# --- Long answers (evalkit.tasks.long_answer) -------------------------------------------------
+#
+# The references are the units of one long answer (lines, sentences), in order. Units compare whole, with
+# runs of whitespace read as one space.
+
+def _units_in_order(units: list[str], references: list[str]) -> float:
+    """The longest common subsequence of `units` and `references` over the number of references."""
+    if not references:
+        raise ValueError("a long-answer metric needs at least one reference unit")
+    units, references = [" ".join(u.split()) for u in units], [" ".join(r.split()) for r in references]
+    previous = [0] * (len(references) + 1)
+    for unit in units:
+        row = [0]
+        for j, reference in enumerate(references):
+            row.append(previous[j] + 1 if unit == reference else max(previous[j + 1], row[j]))
+        previous = row
+    return previous[-1] / len(references)
+
+
+def lines_in_order(prediction: str, references: list[str]) -> float:
+    """Fraction of the reference lines the prediction's lines hold whole and in order (an LCS of lines).
+
+    A line left out, or out of order, costs its share; a repeated or extra line costs nothing (`edit_similarity`
+    charges those), so a looping answer scores the lines it has before the loop."""
+    return _units_in_order(prediction.splitlines(), references)
+
+
+def sentences_in_order(prediction: str, references: list[str]) -> float:
+    """`lines_in_order` with sentences: the prediction is cut where a sentence ends (`haystack.split_sentences`)."""
+    return _units_in_order(split_sentences(prediction.strip()), references)
+
+
+def edit_similarity(prediction: str, references: list[str]) -> float:
+    """1 - (word-level Levenshtein distance) / (the longer's word count), the references joined as one text.
+
+    Words are runs of non-space characters; a wrong word, a missing one and an extra one each cost 1, so an
+    answer twice as long as the reference scores at most 0.5. Two empty texts score 1."""
+    if not references:
+        raise ValueError("a long-answer metric needs at least one reference unit")
+    predicted, truth = prediction.split(), " ".join(references).split()
+    if not predicted and not truth:
+        return 1.0
+    previous = list(range(len(truth) + 1))
+    for i, word in enumerate(predicted, 1):
+        row = [i]
+        for j, reference in enumerate(truth, 1):
+            row.append(min(previous[j] + 1, row[j - 1] + 1, previous[j - 1] + (word != reference)))
+        previous = row
+    return 1 - previous[-1] / max(len(predicted), len(truth))
+
+
+METRICS.update(lines_in_order=lines_in_order, sentences_in_order=sentences_in_order, edit_similarity=edit_similarity)
