@@ -252,15 +252,14 @@ def model_of(env: dict):
     return model(env["arch"], env.get("layers", LAYERS))
 
 
-def batch(seed: int = 1):
-    """Three requests of mixed lengths: (context, question).
+def batch(seed: int = 1, shapes=((52, 4), (66, 6), (41, 3))):
+    """Requests of mixed lengths, (context, question) of the `shapes` (three by default).
 
     No token id repeats within a prompt: two copies of one token have layer-0 keys that differ only
     by RoPE, which transformers computes in float32, so their norms differ by ~1e-8 relative, below
     the float32 precision at which scores are compared; their order would be rounding noise.
     """
     g = torch.Generator().manual_seed(seed)
-    shapes = ((52, 4), (66, 6), (41, 3))
     prompts = []
     for c, q in shapes:
         ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + q] + 3).tolist()
@@ -412,12 +411,7 @@ KVPRESS = dict(arch="llama", layout="paged", prefill="full", query_aware=False, 
 
 def long_batch():
     """Two contexts long enough that a 64-query window leaves a prefix to select from (110 and 90 tokens)."""
-    g = torch.Generator().manual_seed(2)
-    prompts = []
-    for c, q in ((110, 5), (90, 4)):
-        ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + q] + 3).tolist()
-        prompts.append((ids[:c], ids[c:]))
-    return prompts
+    return batch(2, ((110, 5), (90, 4)))
 
 
 # (name, granularity, --policy-arg, budget, environment, settings): each hyper-parameter away from its default
@@ -632,12 +626,7 @@ LONG_AGNOSTIC = dict(arch="qwen2", layout="dense", prefill="chunked", query_awar
 
 def long_decode_batch():
     """(context, question) of 58 + 4 and 68 + 4 tokens, no id repeated within a prompt (see `batch`)."""
-    g = torch.Generator().manual_seed(4)
-    prompts = []
-    for c, q in ((58, 4), (68, 4)):
-        ids = (torch.randperm(TINY["vocab_size"] - 3, generator=g)[:c + q] + 3).tolist()
-        prompts.append((ids[:c], ids[c:]))
-    return prompts
+    return batch(4, ((58, 4), (68, 4)))
 
 
 # (name, granularity, --policy-arg): the scorers whose decode-time rule differs, each at every granularity: H2O
