@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.loop import (Conversation, GenerationSettings, Request, SharedPrefill, converse, generate,
+from evalkit.loop import (Conversation, GenerationSettings, Request, SharedPrefill, converse_branches, generate,
                           generate_branches, prefill_statistics, score_rolling, share_prefill)
 from evalkit.models import max_positions
 from evalkit.prompt import encode, encode_conversation, prompt_length
@@ -111,13 +111,14 @@ def conversation_evaluation(task: Task, samples: list[Sample], config: RunConfig
         records: list[list[dict]] = [[] for _ in each]
         for sample, (context_ids, turns) in batch:
             conversation = Conversation(context_ids, turns, sample.max_new_tokens)
-            # Runs grouped by `runner.prefill_key` fork one prefill of the first turn, sample by sample.
+            # Runs grouped by `runner.prefill_key` fork one prefill of the first turn, sample by sample, and decode
+            # their answers together.
             prefill = share_prefill(model, [Request(context_ids, turns[0], sample.max_new_tokens)],
                                     each[0].query_aware, set().union(*(prefill_statistics(s.policy) for s in each)),
                                     tokenizer) if len(each) > 1 else None
-            for run_records, settings in zip(records, each):
-                run_records.append(conversation_record(task, sample, converse(model, tokenizer, conversation,
-                                                                               settings, prefill)))
+            for run_records, generations in zip(records, converse_branches(model, tokenizer, conversation, each,
+                                                                            prefill)):
+                run_records.append(conversation_record(task, sample, generations))
         return records
 
     def summarize(records: list[dict]) -> dict:

@@ -10,6 +10,7 @@ import torch
 from conftest import save_tiny_model, tiny_model
 from helpers import evalkit, read_run
 from evalkit.loop import Conversation, GenerationSettings, Request, converse, generate, prefill_statistics, share_prefill
+from evalkit.loop.conversation import converse_branches
 from evalkit.policies import make_policy
 
 NEW = 6
@@ -104,6 +105,31 @@ def test_a_shared_prefill_gives_each_run_what_it_gives_alone(model, query_aware)
         alone, forked = converse(model, None, talk, chosen), converse(model, None, talk, chosen, shared)
         assert [g.token_ids for g in forked] == [g.token_ids for g in alone]
         assert [g.kept_tokens for g in forked] == [g.kept_tokens for g in alone]
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_branches_conversing_together_give_what_each_gives_alone(model, monkeypatch, query_aware):
+    import evalkit.loop.conversation as conversation_module
+
+    talk = conversation()
+    each = [settings("h2o_head", 0.3, query_aware=query_aware), settings("tova_page", 0.5, query_aware=query_aware),
+            settings("full", query_aware=query_aware),
+            settings("snapkv_head_page", 0.3, query_aware=query_aware, decode_eviction=False)]
+    shared = share_prefill(model, [Request(talk.context_ids, talk.turns[0], NEW)], query_aware,
+                           set().union(*(prefill_statistics(s.policy) for s in each)), None)
+    joint_steps = []
+    forward_branches = conversation_module.forward_branches
+    monkeypatch.setattr(conversation_module, "forward_branches",
+                        lambda states, tokens: joint_steps.append(len(states)) or forward_branches(states, tokens))
+    together = converse_branches(model, None, talk, each, shared)
+    assert joint_steps and max(joint_steps) == len(each)  # the branches' decode steps went through one forward
+    for chosen, got in zip(each, together):
+        alone = converse(model, None, talk, chosen)
+        assert [g.token_ids for g in got] == [g.token_ids for g in alone]
+        assert [(g.kept_tokens, g.bytes_held, g.prompt_tokens) for g in got] == \
+            [(g.kept_tokens, g.bytes_held, g.prompt_tokens) for g in alone]
+    # The answers end at different steps (EOS or length), so a branch asks its next question while others decode.
+    assert len({tuple(len(g.token_ids) for g in got) for got in together}) > 1
 
 
 @pytest.fixture(scope="module")

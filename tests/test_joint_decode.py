@@ -148,9 +148,9 @@ def test_linears_whose_batched_kernel_differs_decode_cells_one_by_one(monkeypatc
     model = wide_model("llama")
     exact = joint_decode._branchwise_linear
     monkeypatch.setattr(joint_decode, "_branchwise_linear", lambda linear, cells, x: exact(linear, cells, x) * (1 + 1e-6))
-    assert not joint_decode._linears_apart(model, 3, 1)
+    assert not joint_decode.linears_apart(model, 3, 1)
     monkeypatch.setattr(joint_decode, "_branchwise_linear", exact)
-    assert joint_decode._linears_apart(model, 4, 1)
+    assert joint_decode.linears_apart(model, 4, 1)
 
 
 def test_cells_whose_caches_do_not_fit_together_decode_in_groups_that_do(monkeypatch):

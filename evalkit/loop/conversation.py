@@ -18,6 +18,7 @@ import torch
 
 from evalkit.attention import evalkit_attention
 from evalkit.loop.generate import Decoding, start
+from evalkit.loop.joint_decode import branch_groups, forward_branches, linears_apart, model_rows_apart
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.state import Generation, GenerationSettings, Request, forward
 
@@ -35,25 +36,87 @@ def converse(model, tokenizer, conversation: Conversation, settings: GenerationS
              shared: SharedPrefill | None = None) -> list[Generation]:
     """A Generation per turn: its answer, and the cache as it stood when the answer began (`prompt_tokens`: every
     token fed so far). With `shared`, the first turn's prefill comes from a prefill shared with other runs."""
+    return converse_branches(model, tokenizer, conversation, [settings], shared)[0]
+
+
+@torch.inference_mode()
+def converse_branches(model, tokenizer, conversation: Conversation, branches: list[GenerationSettings],
+                      shared: SharedPrefill | None = None) -> list[list[Generation]]:
+    """`converse` under every settings in `branches` (one shared prefill's branches), the same generations: each
+    step of the answers being decoded goes through one forward for all branches (`joint_decode`), a turn's prompt
+    through its branch's own; as many branches at a time as their caches fit (`joint_decode.branch_groups`)."""
     first, *later = conversation.turns
     request = Request(conversation.context_ids, first, conversation.max_new_tokens, conversation.stop)
-    generations: list[Generation] = []
-    with evalkit_attention(model):
+    generations: list[list[Generation]] = []
+    joint_possible = len(branches) > 1 and model_rows_apart(model, 1)  # the probe runs the model's own attention
+
+    def opened(settings: GenerationSettings) -> _Talk:
         run = start(model, tokenizer, [request], settings, shared=shared, later_turns=tuple(len(t) + 1 for t in later))
-        for turn in [*later, None]:
-            fed = int(run.state.seen[0])
+        return _Talk(run, list(later), conversation)
+
+    with evalkit_attention(model):
+        for group in branch_groups(model, branches, opened):
+            generations += _talk_together(group, joint_possible)
+    return generations
+
+
+class _Talk:
+    """One branch's conversation: its current turn's Decoding, the turns still to ask, the answers so far."""
+
+    def __init__(self, run: Decoding, later: list[list[int]], conversation: Conversation):
+        self.run, self.later, self.conversation = run, later, conversation
+        self.generations: list[Generation] = []
+        self.fed = int(run.state.seen[0])  # tokens fed when this turn's answer began
+        self.seconds = 0.0  # this turn's decoding so far
+
+    @property
+    def state(self):
+        return self.run.state
+
+    def answered(self) -> bool:
+        """The answer just ended: keep it, and ask the next turn's question if there is one (False: none left)."""
+        run = self.run
+        self.generations += run.generations(self.seconds)
+        if not self.later:
+            return False
+        turn = self.later.pop(0)
+        unfed = run.outputs[0][int(run.state.seen[0]) - self.fed:]  # its last token, unless it ended on EOS
+        begun = time.perf_counter()
+        logits, _ = forward(run.state, [unfed + turn])
+        run.advance(logits)
+        self.run = _next_turn(run, Request([], turn, self.conversation.max_new_tokens, self.conversation.stop),
+                              time.perf_counter() - begun)
+        self.fed, self.seconds = int(run.state.seen[0]), 0.0
+        return True
+
+
+def _talk_together(talks: list[_Talk], joint_possible: bool) -> list[list[Generation]]:
+    """Every talk to its last answer; the decode steps of those answering go through one forward (each its own
+    where the probes say joint rows would differ, `joint_decode`)."""
+    active = list(talks)
+    while active:
+        stepping, tokens = [], []
+        for talk in active:
             begun = time.perf_counter()
-            while (tokens := run.next_tokens()) is not None:
-                run.feed(tokens)
-            generations += run.generations(time.perf_counter() - begun)
-            if turn is None:
-                return generations
-            unfed = run.outputs[0][int(run.state.seen[0]) - fed:]  # its last token, unless it ended on EOS
+            chosen = talk.run.next_tokens()
+            talk.seconds += time.perf_counter() - begun
+            if chosen is not None:
+                stepping.append(talk), tokens.append(chosen)
+        active = [talk for talk in active if talk in stepping or talk.answered()]
+        if joint_possible and len(stepping) > 1 and linears_apart(stepping[0].run.state.model, len(stepping), 1):
             begun = time.perf_counter()
-            logits, _ = forward(run.state, [unfed + turn])
-            run.advance(logits)
-            run = _next_turn(run, Request([], turn, conversation.max_new_tokens, conversation.stop),
-                             time.perf_counter() - begun)
+            logits, own = forward_branches([talk.run.state for talk in stepping], tokens)
+            rest = (time.perf_counter() - begun - sum(own)) / len(stepping)  # the shared forward, evenly
+            for talk, branch_logits, own_seconds in zip(stepping, logits, own):
+                begun = time.perf_counter()
+                talk.run.advance(branch_logits)
+                talk.seconds += own_seconds + rest + time.perf_counter() - begun
+            continue
+        for talk, chosen in zip(stepping, tokens):
+            begun = time.perf_counter()
+            talk.run.feed(chosen)
+            talk.seconds += time.perf_counter() - begun
+    return [talk.generations for talk in talks]
 
 
 def _next_turn(run: Decoding, request: Request, prompt_seconds: float) -> Decoding:

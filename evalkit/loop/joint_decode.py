@@ -8,7 +8,7 @@ computes a branch's rows as one entry of a batched matmul, or for a few branches
 (`branchwise_linears`) — bit for bit what the branch's own forward computes, where one matmul over all
 branches' rows would not be (a row's result depends on how many rows the kernel is given: 25 rows at
 once differ from one at a time in the last bits). Before branches decode together, probes check
-exactly that on this model, device and shapes (`_model_rows_apart`, `_linears_apart`); where they fail
+exactly that on this model, device and shapes (`model_rows_apart`, `linears_apart`); where they fail
 (rows that meet outside `nn.Linear`, a device whose batched kernels differ) branches decode one by one.
 """
 
@@ -18,6 +18,7 @@ import contextlib
 import functools
 import time
 import weakref
+from typing import Callable, Iterator, TypeVar
 
 import psutil
 import torch
@@ -31,6 +32,7 @@ from evalkit.loop.state import Generation, GenerationSettings, Request, fed, for
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Branches decode together only as many as their caches fit in this share of the memory free at the start.
 _MEMORY_SHARE = 0.5
+T = TypeVar("T")
 
 
 @torch.inference_mode()
@@ -40,18 +42,26 @@ def generate_branches(model, tokenizer, requests: list[Request], branches: list[
     the same generations, decoded together: all of them, or as many at a time as their caches fit in
     half the free memory. A branch's `decode_seconds` is the time of its own work (token choice,
     attention, eviction) plus an even share of each joint forward's rest."""
-    joint_possible = len(branches) > 1 and _model_rows_apart(model, len(requests))
-    allowance = _MEMORY_SHARE * _free_memory(model.device)
+    joint_possible = len(branches) > 1 and model_rows_apart(model, len(requests))
     generations: list[list[Generation]] = []
     with evalkit_attention(model):
-        runs = [start(model, tokenizer, requests, branches[0], shared=shared)]  # its cache sizes the groups
-        size = max(1, int(allowance // max(1, runs[0].state.cache.storage_bytes())))
-        for first in range(0, len(branches), size):
-            runs += [start(model, tokenizer, requests, settings, shared=shared)
-                     for settings in branches[first + len(runs):first + size]]
+        for runs in branch_groups(model, branches, lambda settings: start(model, tokenizer, requests, settings,
+                                                                          shared=shared)):
             generations += _decode_together(runs, joint_possible, len(requests))
-            runs = []  # a group's caches go before the next group's come
     return generations
+
+
+def branch_groups(model, branches: list[GenerationSettings], opened: Callable[[GenerationSettings], T]) -> Iterator[list[T]]:
+    """The branches, opened (`opened(settings)`: a prefill forked, ready to decode; anything with the branch's
+    loop `state`), in groups whose caches fit in half the free memory; the first branch's cache sizes them, and
+    a group's caches go before the next group's come."""
+    allowance = _MEMORY_SHARE * _free_memory(model.device)
+    group = [opened(branches[0])]
+    size = max(1, int(allowance // max(1, group[0].state.cache.storage_bytes())))
+    for first in range(0, len(branches), size):
+        group += [opened(settings) for settings in branches[first + len(group):first + size]]
+        yield group
+        group = []
 
 
 def _decode_together(runs: list[Decoding], joint_possible: bool, batch: int) -> list[list[Generation]]:
@@ -65,7 +75,7 @@ def _decode_together(runs: list[Decoding], joint_possible: bool, batch: int) -> 
             tokens[i] = runs[i].next_tokens()
             seconds[i] += time.perf_counter() - begun
         active = [i for i in active if tokens[i] is not None]
-        if joint_possible and len(active) > 1 and _linears_apart(model, len(active), batch):
+        if joint_possible and len(active) > 1 and linears_apart(model, len(active), batch):
             begun = time.perf_counter()
             logits, own = forward_branches([runs[i].state for i in active], [tokens[i] for i in active])
             rest = (time.perf_counter() - begun - sum(own)) / len(active)
@@ -165,7 +175,7 @@ def _branchwise_linear(linear: torch.nn.Linear, branches: int, x: torch.Tensor) 
     return out.view(*x.shape[:-1], -1)
 
 
-def _model_rows_apart(model, batch: int) -> bool:
+def model_rows_apart(model, batch: int) -> bool:
     """Probe (once per model and batch): two branches' one-token rows, through the model's own attention,
     jointly and one branch at a time. Fails where rows meet outside plain `nn.Linear` (GPT-2's Conv1D, a
     linear wrapped by hooks)."""
@@ -185,7 +195,7 @@ def _model_rows_apart(model, batch: int) -> bool:
     return verdicts[key]
 
 
-def _linears_apart(model, branches: int, batch: int) -> bool:
+def linears_apart(model, branches: int, batch: int) -> bool:
     """Probe (once per model, branch count and batch): each linear shape's batched matmul against its own
     per-branch product, on random rows."""
     verdicts = _VERDICTS.setdefault(model, {})
