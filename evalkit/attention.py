@@ -180,14 +180,14 @@ def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
     from evalkit.kernels.paged_attention import paged_attention
 
     layer.append(key, value, plan.positions, plan.valid)
-    table, block_size, head_tokens = layer.page_table()
+    table, page_size, head_tokens = layer.page_table()
     window = sliding_window or 0
     out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, table, head_tokens,
-                               block_size, scaling, window)
+                               page_size, scaling, window)
     if plan.collect:
         counted = statistic_queries(plan.collect, plan.window, plan.positions, plan.valid)
         stats = attention_stats(query, plan.positions, counted, layer.k, layer.pos, table, head_tokens,
-                                block_size, scaling, lse, window)
+                                page_size, scaling, lse, window)
         store_statistic(layer, layer.slot_index(), plan.collect, stats, plan.valid)
     return out
 
@@ -202,10 +202,10 @@ def _static_decode_attention(layer, slots, query, key, value, plan: ForwardPlan,
 
         window = sliding_window or 0
         out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, slots.table, slots.head_tokens,
-                                   slots.block_size, scaling, window)
+                                   slots.page_size, scaling, window)
         if plan.collect:
             stats = attention_stats(query, plan.positions, plan.valid, layer.k, layer.pos, slots.table,
-                                    slots.head_tokens, slots.block_size, scaling, lse, window)
+                                    slots.head_tokens, slots.page_size, scaling, lse, window)
             _store_static_statistic(layer, slots.index, plan.collect, stats)
         return out
     B, H_q, _, D = query.shape

@@ -182,7 +182,7 @@ def pages_per_head(config, policy_name: str, budget: float, prompt_tokens: int, 
     """Pages one KV head takes at its peak in evalkit's loop, as the loop sizes its own cache
     (`evalkit.loop.state.new_cache`): the prefill's peak (the prompt; under a chunked prefill the widest
     layer's cap plus one chunk, if less) plus the answer plus one, in pages."""
-    settings = GenerationSettings(make_policy(policy_name), budget=budget, block_size=block_size, prefill=prefill,
+    settings = GenerationSettings(make_policy(policy_name), budget=budget, page_size=block_size, prefill=prefill,
                                   chunk_size=chunk_size)
     budgets = budgets_for(SimpleNamespace(config=config), settings, [range(prompt_tokens)])
     peak = budgets.lengths
@@ -222,7 +222,7 @@ def fit_accounting(config, plan: Plan, prompt_tokens: int) -> list[dict]:
 def run_batch(model, fit: dict, batch: int, plan: Plan) -> dict:
     """Generate `batch` random prompts through the loop with the fit's pool; the most pages any layer held
     (read after every forward: a layer's pages peak right after it appends, before compression)."""
-    settings = GenerationSettings(make_policy(fit["policy"]), budget=fit["budget"], block_size=fit["block_size"],
+    settings = GenerationSettings(make_policy(fit["policy"]), budget=fit["budget"], page_size=fit["block_size"],
                                   prefill=fit["prefill"], chunk_size=plan.chunk_size,
                                   pool_pages=fit["pool_pages_per_layer"])
     seen = {"peak_pages_used": 0}

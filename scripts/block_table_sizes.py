@@ -111,7 +111,7 @@ def decode_fragmentation(args) -> None:
         for budget in [float(x) for x in args.budgets.split(",")]:
             steps = defaultdict(lambda: [0, 0])  # step (0 = prefill end) -> held, ideal, summed over samples
             settings = GenerationSettings(make_policy(args.policy, granularity), budget=budget,
-                                          block_size=args.block_size)
+                                          page_size=args.block_size)
             for request in requests:
                 trace = []
 

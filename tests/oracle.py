@@ -169,7 +169,7 @@ def published_spec(family: str, granularity: str = "head", **overrides) -> Spec:
 @dataclass(frozen=True)
 class Settings:
     budget: float
-    block_size: int = 4
+    page_size: int = 4
     prefill: str = "full"  # or "chunked"
     chunk_size: int = 16
     query_aware: bool = True
@@ -237,14 +237,14 @@ def pyramid_budgets(k: int, n: int, num_layers: int, window: int, beta: float) -
     return [s + window for s in selected]
 
 
-def layer_budgets(spec: Spec, k: int, n: int, num_layers: int, block_size: int) -> list[int]:
+def layer_budgets(spec: Spec, k: int, n: int, num_layers: int, page_size: int) -> list[int]:
     """k_l: uniform k or the pyramid; at a page granularity a share below one page keeps one page."""
     if spec.family == "pyramidkv":
         caps = pyramid_budgets(k, n, num_layers, spec.window, spec.beta)
     else:
         caps = [k] * num_layers
     if spec.granularity in ("page", "head_page"):
-        caps = [max(cap, min(n, block_size)) for cap in caps]
+        caps = [max(cap, min(n, page_size)) for cap in caps]
     return caps
 
 
@@ -273,13 +273,13 @@ def duo_streaming_count(k: int, n: int, w: int, heads: int, ratio: float = 0.0) 
     return max(0, min(heads, s))
 
 
-def duo_caps(streaming: set, n: int, num_layers: int, spec: Spec, block_size: int) -> list[int]:
+def duo_caps(streaming: set, n: int, num_layers: int, spec: Spec, page_size: int) -> list[int]:
     """DuoAttention's layer caps: w = sinks + recent (at most n) in a layer with a streaming head, n elsewhere; at
     head_page a cap below one page is one page (as for every policy)."""
     caps = [min(n, spec.sinks + spec.recent_tokens) if any(l == x for x, _ in streaming) else n
             for l in range(num_layers)]
     if spec.granularity == "head_page":
-        caps = [max(cap, min(n, block_size)) for cap in caps]
+        caps = [max(cap, min(n, page_size)) for cap in caps]
     return caps
 
 
@@ -346,7 +346,7 @@ def keep_order(positions, score: dict, protected, sinks: int) -> list[int]:
     return sink_part + protected_part + rest
 
 
-def take_pages(pages: dict, cap: int, protected, sinks: int, seen: int, block_size: int) -> set[int]:
+def take_pages(pages: dict, cap: int, protected, sinks: int, seen: int, page_size: int) -> set[int]:
     """pages: {page: (positions held, mean score)}. Greedy fill in page order; returns pages taken."""
 
     def holds_sink(page):
@@ -354,7 +354,7 @@ def take_pages(pages: dict, cap: int, protected, sinks: int, seen: int, block_si
 
     def is_protected(page):
         held = pages[page][0]
-        being_filled = (seen - 1) in held and seen % block_size != 0
+        being_filled = (seen - 1) in held and seen % page_size != 0
         return being_filled or any(protected(p) for p in held)
 
     order = (sorted(pg for pg in pages if holds_sink(pg))
@@ -470,7 +470,7 @@ class Sequence:
 
     def choose_quest_reads(self, l, query, keys):
         """The pages the newest query reads: the newest page, then the best bounds (ties: earlier page)."""
-        q_pos, S = self.seen - 1, self.settings.block_size
+        q_pos, S = self.seen - 1, self.settings.page_size
         bound = {}
         for h in range(self.H):
             held = [p for p in self.held(l, h) if p <= q_pos]
@@ -825,7 +825,7 @@ class Sequence:
         wholly within the sinks, its pages all of whose positions so far are within the r most recent, and its
         newest page (the one holding seen - 1). As for every policy, a layer whose heads all hold <= its cap
         (`duo_caps`) is left alone."""
-        spec, seen, S = self.spec, self.seen, self.settings.block_size
+        spec, seen, S = self.spec, self.seen, self.settings.page_size
         start = seen - (spec.recent_tokens + self.appended)
         for l, h in sorted(self.streaming):
             if all(len(self.held(l, x)) <= caps[l] for x in range(self.H)):
@@ -846,7 +846,7 @@ class Sequence:
         return min(cap, spec.recent_tokens + math.floor(spec.recent_fraction * max(cap - spec.sinks, 0)) + widen)
 
     def select(self, l: int, cap: int, held: list[list[int]], scores: list[dict]) -> list[set[int]]:
-        spec, seen, S = self.spec, self.seen, self.settings.block_size
+        spec, seen, S = self.spec, self.seen, self.settings.page_size
         recent = self.recent(cap)
 
         def protected(p):
@@ -928,11 +928,11 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
     trace = Trace(budget=budget_tokens(settings.budget, n))
     k = trace.budget
     trace.evicting = k < n and spec.family not in NEVER_EVICTS
-    caps = layer_budgets(spec, k, n, seq.L, settings.block_size) if trace.evicting else None
+    caps = layer_budgets(spec, k, n, seq.L, settings.page_size) if trace.evicting else None
     if spec.family == "duo_attention" and trace.evicting:
         seq.streaming = duo_streaming(spec.head_scores, k, n, spec.sinks + spec.recent_tokens,
                                       spec.head_compression_ratio)
-        caps = duo_caps(seq.streaming, n, seq.L, spec, settings.block_size)
+        caps = duo_caps(seq.streaming, n, seq.L, spec, settings.page_size)
         trace.layer_budgets = list(caps)
     trace.layer_budgets = list(caps or [])
     collect_prefill, collect_decode = COLLECT.get(spec.scorer, (None, None))
@@ -960,7 +960,7 @@ def run_oracle(model, spec: Spec, settings: Settings, context: list[int], questi
         seq.appended = q
         decode_caps = [c + q for c in caps] if decode_evicts else None
         if spec.family == "quest" and k < n:  # nothing evicted; decode queries read the best pages
-            seq.quest_pages = max(spec.min_pages, math.ceil((k + q) / settings.block_size))
+            seq.quest_pages = max(spec.min_pages, math.ceil((k + q) / settings.page_size))
 
         def after_forward(phase: str) -> Kept:
             """Evict back to the decode caps (decode eviction) or drop what a sliding window lost; the kept."""

@@ -250,7 +250,7 @@ def test_targets_compare_against_the_full_cache_of_the_same_length_and_layout():
 
 def test_decode_attention_reads_the_kept_pages_only():
     for n in (64, 256):
-        point = decode_attention_point(SHAPE, n, kept=20, block_size=16)
+        point = decode_attention_point(SHAPE, n, kept=20, page_size=16)
         assert point["slots_read"] == 32  # ceil(20 / 16) pages after compaction, whatever n
         assert point["seconds"] > 0
 

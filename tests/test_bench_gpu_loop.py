@@ -139,7 +139,7 @@ def test_accounting_is_the_loops_own_cache_sizing(script):
     for policy, budget, prefill in (("full", 1.0, "full"), ("h2o_head_page", 0.2, "chunked"),
                                     ("h2o_head", 0.2, "chunked"), ("h2o_head_page", 0.2, "full")):
         pages = []
-        settings = GenerationSettings(make_policy(policy), budget=budget, block_size=block, prefill=prefill,
+        settings = GenerationSettings(make_policy(policy), budget=budget, page_size=block, prefill=prefill,
                                       chunk_size=chunk)
         generate(model, None, [Request(ids, [], new)], settings,
                  observe=lambda event, cache: pages.append(cache.layers[0].pool.num_pages))

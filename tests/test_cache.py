@@ -1,4 +1,4 @@
-"""KV storage bookkeeping against exact state: BlockPool, PagedLayer, DenseLayer.
+"""KV storage bookkeeping against exact state: PagePool, PagedLayer, DenseLayer.
 
 Hand-written cases check exact page ids, slots, positions, K/V/stats and byte counts;
 a random-sequence test runs append / evict / add_stats / compact on both layouts next to
@@ -13,7 +13,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from evalkit.cache import BlockPool, DenseLayer, PagedLayer, PoolExhausted
+from evalkit.cache import PagePool, DenseLayer, PagedLayer, PoolExhausted
 from evalkit.errors import EvalkitError
 
 D = 4
@@ -63,10 +63,10 @@ def live_stats(view):
     return torch.where(view.pos >= 0, view.stats, 0.0)
 
 
-# --- BlockPool ---------------------------------------------------------------------------------
+# --- PagePool ---------------------------------------------------------------------------------
 
 def test_pool_hands_out_the_lowest_free_ids_first():
-    pool = BlockPool(6, block_size=4)
+    pool = PagePool(6, page_size=4)
     assert (pool.num_free, pool.num_used) == (6, 0)
     assert pool.allocate(3) == [0, 1, 2]
     assert (pool.num_free, pool.num_used) == (3, 3)
@@ -79,7 +79,7 @@ def test_pool_hands_out_the_lowest_free_ids_first():
 
 
 def test_pool_continues_a_run_after_a_given_page_while_free_then_takes_the_lowest():
-    pool = BlockPool(8, block_size=4)
+    pool = PagePool(8, page_size=4)
     assert pool.allocate(2) == [0, 1]
     assert pool.allocate(3, after=4) == [5, 6, 7]
     assert pool.allocate(2, after=1) == [2, 3]
@@ -90,7 +90,7 @@ def test_pool_continues_a_run_after_a_given_page_while_free_then_takes_the_lowes
 
 
 def test_pool_double_free_raises():
-    pool = BlockPool(4, block_size=2)
+    pool = PagePool(4, page_size=2)
     pages = pool.allocate(2)
     pool.free([pages[0]])
     with pytest.raises(ValueError, match="page 0 freed twice"):
@@ -101,7 +101,7 @@ def test_pool_double_free_raises():
 
 
 def test_pool_exhaustion_names_the_pool_size_and_the_amount_asked():
-    pool = BlockPool(5, block_size=16)
+    pool = PagePool(5, page_size=16)
     pool.allocate(3)
     with pytest.raises(PoolExhausted, match=r"asked for 3 more pages of 16 tokens, 2 of 5 free"):
         pool.allocate(3)
@@ -530,7 +530,7 @@ def head_tokens(layer, b, h):
 
 
 def check_paged(layer, model, data, peak, after_compact):
-    S, pool = layer.block_size, layer.pool
+    S, pool = layer.page_size, layer.pool
     # pool bookkeeping
     assert pool.num_free + pool.num_used == pool.num_pages
     free = pool.free_pages()
@@ -714,7 +714,7 @@ def check_pages_held(layer, hole_per_head: bool) -> None:
     """Every page a head holds has a live token, and the pool counts exactly the pages in the tables. With no
     hole (after a decode append) a head holds ceil(live / S) pages; with the one a decode eviction leaves, the
     lost token's page may stay (its other tokens live): at most ceil((live + 1) / S)."""
-    S, pool = layer.block_size, layer.pool
+    S, pool = layer.page_size, layer.pool
     live = layer.live_counts()
     for b in range(layer.batch):
         for h in range(layer.kv_heads):

@@ -39,7 +39,7 @@ def hf_conversation(model, talk: Conversation) -> list[list[int]]:
 
 
 def settings(policy="full", budget=1.0, **kwargs):
-    return GenerationSettings(make_policy(policy), budget=budget, block_size=4, **kwargs)
+    return GenerationSettings(make_policy(policy), budget=budget, page_size=4, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,7 @@ def test_retrieval_heads_keep_everything_and_streaming_heads_a_sliding_window(fi
     question = 5 if settings.get("query_aware") is False else 0
     records = []
     out, = generate(model, None, [Request(ids[:64 - question], ids[64 - question:], 6)],
-                    GenerationSettings(small_policy(), budget=40, layout=layout, block_size=4, **settings),
+                    GenerationSettings(small_policy(), budget=40, layout=layout, page_size=4, **settings),
                     observe=_observe(records))
     n = 64 - question
     streaming = set(STREAM_ORDER[:2])
@@ -157,7 +157,7 @@ def test_streaming_heads_free_their_pages(fixed_scores):
     held = {}
     for budget in (1.0, 0.5, 0.02):
         records = []
-        generate(model, None, [Request(ids, [], 1)], GenerationSettings(small_policy(), budget=budget, block_size=4),
+        generate(model, None, [Request(ids, [], 1)], GenerationSettings(small_policy(), budget=budget, page_size=4),
                  observe=_observe(records))
         event, kept, held[budget], token_bytes = next(r for r in records if r[0] == "prefill")
         held[budget] //= 4 * token_bytes  # pages
@@ -166,13 +166,13 @@ def test_streaming_heads_free_their_pages(fixed_scores):
 
 
 def test_head_page_streaming_heads_keep_whole_pages_and_their_newest(fixed_scores):
-    """block_size 4, 2 sinks + 6 recent: a streaming head keeps its pages lying wholly within the window (none
+    """page_size 4, 2 sinks + 6 recent: a streaming head keeps its pages lying wholly within the window (none
     within the 2 sinks) and its newest page; whole pages leave, so each storage page holds one position page."""
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     ids = torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(7)).tolist()
     records = []
-    generate(model, None, [Request(ids, [], 8)], GenerationSettings(small_policy("head_page"), budget=40, block_size=4),
+    generate(model, None, [Request(ids, [], 8)], GenerationSettings(small_policy("head_page"), budget=40, page_size=4),
              observe=_observe(records))
     for event, kept, *_ in records:
         seen = max(max(k) for k in kept.values()) + 1
@@ -210,7 +210,7 @@ def test_each_sequence_streams_its_own_heads_and_a_shared_prefill_gives_what_its
     policy = small_policy()
     shared = share_prefill(model, batch, query_aware, prefill_statistics(policy))
     for layout in ("paged", "dense"):
-        settings = GenerationSettings(policy, budget=0.6, layout=layout, block_size=4, query_aware=query_aware)
+        settings = GenerationSettings(policy, budget=0.6, layout=layout, page_size=4, query_aware=query_aware)
         own = generate(model, None, batch, settings)
         assert policy.streaming.flatten(1).sum(1).tolist() == [2, 3]  # agnostic: 60, 26 tokens -> 2, 3 as well
         forked = generate(model, None, batch, settings, shared=shared)

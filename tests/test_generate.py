@@ -42,7 +42,7 @@ def test_full_budget_matches_hf_greedy_on_a_mixed_length_batch(arch, layout):
     expected = [hf_greedy(model, p) for p in batch]
     assert len({tuple(e) for e in expected}) == len(expected)  # the prompts really lead different ways
     for policy, budget in (("full", 1.0), ("full", 0.1), ("h2o_head", 1.0)):
-        got = run(model, batch, policy, budget, layout=layout, block_size=4)
+        got = run(model, batch, policy, budget, layout=layout, page_size=4)
         assert [g.token_ids for g in got] == expected, (policy, budget)
 
 
@@ -53,7 +53,7 @@ def test_every_policy_at_budget_one_is_the_full_cache(name):
     expected = [hf_greedy(model, p) for p in batch]
     for settings in (dict(), dict(prefill="chunked", chunk_size=8), dict(query_aware=False),
                      dict(layout="dense", decode_eviction=False)):
-        got = run(model, batch, name, 1.0, split=lambda p: len(p) - 3, block_size=4, **settings)
+        got = run(model, batch, name, 1.0, split=lambda p: len(p) - 3, page_size=4, **settings)
         assert [g.token_ids for g in got] == expected, settings
         assert all(g.kept_tokens == g.prompt_tokens for g in got)
 
@@ -61,7 +61,7 @@ def test_every_policy_at_budget_one_is_the_full_cache(name):
 def test_token_budget_larger_than_the_prompt_evicts_nothing():
     model = tiny_model("llama")
     batch = prompts()
-    got = run(model, batch, "h2o_head", 64, block_size=4)
+    got = run(model, batch, "h2o_head", 64, page_size=4)
     assert [g.token_ids for g in got] == [hf_greedy(model, p) for p in batch]
 
 
@@ -85,7 +85,7 @@ def test_paged_and_dense_keep_the_same_tokens_and_outputs(name, settings):
     results = {}
     for layout in ("paged", "dense"):
         snapshots = []
-        gens = run(model, batch, name, 0.3, split=lambda p: len(p) - 4, layout=layout, block_size=4,
+        gens = run(model, batch, name, 0.3, split=lambda p: len(p) - 4, layout=layout, page_size=4,
                    observe=lambda event, cache: snapshots.append(kept_sets(cache)), **settings)
         results[layout] = ([g.token_ids for g in gens], snapshots)
     assert results["paged"][0] == results["dense"][0]
@@ -99,7 +99,7 @@ def test_budget_is_respected_after_prefill_and_while_decoding():
     model = tiny_model("llama")
     batch = prompts((40, 25))
     sizes = []
-    run(model, batch, "h2o_head", 0.25, block_size=4,
+    run(model, batch, "h2o_head", 0.25, page_size=4,
         observe=lambda event, cache: sizes.append((event, cache.kept_tokens().amax(dim=(0, 2)).tolist())))
     budget = [math.ceil(0.25 * 40), math.ceil(0.25 * 25)]
     prefill_at = [e for e, _ in sizes].index("prefill")
@@ -115,7 +115,7 @@ def test_chunked_prefill_never_holds_more_than_budget_plus_chunk():
     model = tiny_model("llama")
     batch = prompts((70, 33))
     peaks = []
-    gens = run(model, batch, "h2o_head", 0.2, prefill="chunked", chunk_size=8, block_size=4,
+    gens = run(model, batch, "h2o_head", 0.2, prefill="chunked", chunk_size=8, page_size=4,
                observe=lambda event, cache: peaks.append(cache.kept_tokens().amax(dim=(0, 2))))
     budget = torch.tensor([math.ceil(0.2 * 70), math.ceil(0.2 * 33)])
     assert all(bool((p <= budget + 8).all()) for p in peaks)
@@ -128,7 +128,7 @@ def test_token_granularity_keeps_one_set_for_all_heads_and_head_granularity_does
     sets = {}
     for name in ("h2o_token", "h2o_head"):
         snaps = []
-        run(model, batch, name, 0.25, block_size=4, observe=lambda e, c: snaps.append((e, kept_sets(c))))
+        run(model, batch, name, 0.25, page_size=4, observe=lambda e, c: snaps.append((e, kept_sets(c))))
         sets[name] = dict(snaps)["prefill"]
     for layer in range(2):
         token_sets = {sets["h2o_token"][layer, 0, h] for h in range(3)}
@@ -141,7 +141,7 @@ def test_page_granularity_evicts_only_whole_pages():
     batch = prompts((64, 50))
     block = 4
     snaps = []
-    run(model, batch, "h2o_page", 0.3, block_size=block, observe=lambda e, c: snaps.append((e, kept_sets(c))))
+    run(model, batch, "h2o_page", 0.3, page_size=block, observe=lambda e, c: snaps.append((e, kept_sets(c))))
     prefill = dict(snaps)["prefill"]
     lengths = [64, 50]
     for (layer, b, h), kept in prefill.items():
@@ -178,7 +178,7 @@ def test_a_sliding_layer_holds_only_its_window_for_every_policy(policy, budget, 
     model = tiny_model("gemma3")
     batch = prompts((40, 25, 5))
     snapshots = []
-    gens = run(model, batch, policy, budget, block_size=4, **settings,
+    gens = run(model, batch, policy, budget, page_size=4, **settings,
                observe=lambda event, cache: snapshots.append((event, held_positions(cache))))
     assert any(len(batch[b]) > TINY_WINDOW for b in range(len(batch)))
     checked = 0
@@ -206,9 +206,9 @@ def test_full_cache_bytes_count_a_sliding_layer_s_window_only():
     batch = prompts((40, 5))
     token_bytes = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head dim 16, float32
     for policy, budget in (("full", 1.0), ("h2o_head", 0.1)):
-        gens = run(model, batch, policy, budget, block_size=1)
+        gens = run(model, batch, policy, budget, page_size=1)
         assert [g.bytes_full for g in gens] == [(7 + 40) * token_bytes, (5 + 5) * token_bytes]
-    full = run(model, batch, "full", 1.0, block_size=1)
+    full = run(model, batch, "full", 1.0, page_size=1)
     assert [g.bytes_held for g in full] == [g.bytes_full for g in full]  # a page of one token: held = full
 
 
@@ -225,7 +225,7 @@ def test_h2o_statistic_is_the_column_sum_of_attention_probabilities():
                 order = view.pos[0].argsort(-1)[:, -20:]  # live slots sorted by position
                 stats[li] = view.stats[0].gather(-1, order)
 
-    run(model, [prompt], "h2o_head", 0.5, block_size=4, observe=grab)
+    run(model, [prompt], "h2o_head", 0.5, page_size=4, observe=grab)
     model.set_attn_implementation("eager")
     with torch.no_grad():
         attentions = model(torch.tensor([prompt]), output_attentions=True).attentions
@@ -248,7 +248,7 @@ def test_pool_exhaustion_is_a_clear_error():
 
     model = tiny_model("llama")
     with pytest.raises(PoolExhausted, match=r"asked for \d+ more pages of 4 tokens, \d+ of 3 free"):
-        run(model, prompts((40,)), "full", 1.0, block_size=4, pool_pages=3)
+        run(model, prompts((40,)), "full", 1.0, page_size=4, pool_pages=3)
 
 
 def test_stop_strings_end_generation_and_are_cut_from_the_text(default_model):

@@ -47,7 +47,7 @@ def test_every_policy_and_granularity_keeps_between_a_page_short_and_the_budget(
         if event == "prefill":
             kept_per_head.append(cache.kept_tokens())  # [L, B, H_kv]
 
-    gen, = _run(model, policy, BUDGET, [_request(PROMPT, 4)], observe=observe, block_size=BLOCK)
+    gen, = _run(model, policy, BUDGET, [_request(PROMPT, 4)], observe=observe, page_size=BLOCK)
     kept = kept_per_head[0].float()
     if not policy.evicts:  # full and Quest hold everything by definition
         assert bool((kept == PROMPT).all()) and gen.kept_tokens == PROMPT
@@ -71,7 +71,7 @@ def test_head_page_frees_whole_storage_pages_so_nothing_is_compacted(name):
     model = tiny_model("llama", kv_heads=2)
     block = 8
     snapshots = []
-    _run(model, make_policy(name), 0.3, [_request(150, 12), _request(97, 12, seed=4)], block_size=block,
+    _run(model, make_policy(name), 0.3, [_request(150, 12), _request(97, 12, seed=4)], page_size=block,
          observe=lambda event, cache: snapshots.append(event) or _check_aligned(cache, block))
     assert "compressed" in snapshots
 
@@ -99,7 +99,7 @@ def test_prefill_only_scorers_keep_decoded_tokens_instead_of_scoring_them_zero(n
     model = tiny_model("llama", kv_heads=2)
     new = 40  # more than the 32-token window
     final = []
-    gen, = _run(model, make_policy(name), 0.5, [_request(200, new)], block_size=8,
+    gen, = _run(model, make_policy(name), 0.5, [_request(200, new)], page_size=8,
                 observe=lambda event, cache: final.__setitem__(slice(None), [cache]))
     seen = 200 + new - 1  # the last token is sampled, never fed
     decoded = set(range(200, seen))
@@ -129,7 +129,7 @@ def test_with_one_kv_head_per_head_and_shared_granularities_are_the_same(scorer,
                     kept.append(sorted(pos[pos >= 0].tolist()))
 
         gen, = _run(model, make_policy(f"{scorer}_head", granularity), BUDGET, requests, observe=observe,
-                    block_size=BLOCK)
+                    page_size=BLOCK)
         runs.append((kept, gen.token_ids))
     assert all(len(positions) < PROMPT for positions in runs[0][0])  # it evicted
     assert runs[0] == runs[1]

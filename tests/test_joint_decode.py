@@ -42,7 +42,7 @@ def batch_of(size: int, gen: torch.Generator) -> list[Request]:
 
 
 def cells_of(query_aware: bool) -> list[GenerationSettings]:
-    return [GenerationSettings(policy=make_policy(name), budget=budget, layout=layout, block_size=4,
+    return [GenerationSettings(policy=make_policy(name), budget=budget, layout=layout, page_size=4,
                                query_aware=query_aware)
             for name in POLICIES for budget in (0.25, 0.5) for layout in ("paged", "dense")]
 

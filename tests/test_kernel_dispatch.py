@@ -24,7 +24,7 @@ def test_kernels_at_full_budget_match_hf_greedy(layout, arch):
     expected = [hf_greedy(model, p) for p in batch]
     model.to(DEVICE)
     for policy, settings in (("full", {}), ("h2o_head", dict(prefill="chunked", chunk_size=8))):
-        got = run(model, batch, policy, 1.0, layout=layout, block_size=4, kernels="triton", **settings)
+        got = run(model, batch, policy, 1.0, layout=layout, page_size=4, kernels="triton", **settings)
         assert [g.token_ids for g in got] == expected, (policy, settings)
 
 
@@ -47,7 +47,7 @@ def test_kernels_keep_the_same_tokens_and_statistics_as_torch(policy, layout):
             if event == "prefill":
                 snapshots.append([(layer.pos.clone(), layer.stats.clone()) for layer in cache.layers])
 
-        got = run(model, batch, policy, 0.5, layout=layout, block_size=4, prefill="chunked", chunk_size=16,
+        got = run(model, batch, policy, 0.5, layout=layout, page_size=4, prefill="chunked", chunk_size=16,
                   kernels=kernels, observe=observe)
         kept[kernels] = ([g.token_ids for g in got], snapshots[0])
     assert kept["triton"][0] == kept["torch"][0]

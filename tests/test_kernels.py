@@ -51,7 +51,7 @@ def assert_close(out, ref, rtol, atol, what, seed):
                                msg=lambda message: f"{what}, {replay(seed)}: {message}")
 
 
-def random_paged_cache(lengths, block_size, head_dim, dtype, hole_fraction=0.2, seed=0):
+def random_paged_cache(lengths, page_size, head_dim, dtype, hole_fraction=0.2, seed=0):
     """Per-head token counts `lengths` [B, H_kv] -> a shuffled page pool, block tables and slot positions.
 
     Each head's tokens get increasing random positions; a fraction of them are holes (-1), and the
@@ -59,13 +59,13 @@ def random_paged_cache(lengths, block_size, head_dim, dtype, hole_fraction=0.2, 
     """
     gen = torch.Generator().manual_seed(seed)
     B, H_kv = lengths.shape
-    pages_per_head = (lengths + block_size - 1) // block_size
+    pages_per_head = (lengths + page_size - 1) // page_size
     P = max(1, int(pages_per_head.max()))
     num_pages = int(pages_per_head.sum()) + 3  # a few never-used pages too
     null_page = num_pages
     page_order = torch.randperm(num_pages, generator=gen).tolist()
     table = torch.full((B, H_kv, P), null_page, dtype=torch.int32)
-    slot_pos = torch.full(((num_pages + 1) * block_size,), -1, dtype=torch.int64)
+    slot_pos = torch.full(((num_pages + 1) * page_size,), -1, dtype=torch.int64)
     for b in range(B):
         for h in range(H_kv):
             n = int(lengths[b, h])
@@ -74,11 +74,11 @@ def random_paged_cache(lengths, block_size, head_dim, dtype, hole_fraction=0.2, 
             positions = torch.sort(torch.randperm(4 * n + 8, generator=gen)[:n]).values
             positions[torch.rand(n, generator=gen) < hole_fraction] = -1
             for i in range(n):
-                slot_pos[pages[i // block_size] * block_size + i % block_size] = positions[i]
+                slot_pos[pages[i // page_size] * page_size + i % page_size] = positions[i]
     slots = slot_pos.numel()
     k = torch.randn(slots, head_dim, generator=gen).to(dtype)
     v = torch.randn(slots, head_dim, generator=gen).to(dtype)
-    head_tokens = (pages_per_head * block_size).to(torch.int32)
+    head_tokens = (pages_per_head * page_size).to(torch.int32)
     return k.to(DEVICE), v.to(DEVICE), slot_pos.to(DEVICE), table.to(DEVICE), head_tokens.to(DEVICE)
 
 

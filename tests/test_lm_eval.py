@@ -325,7 +325,7 @@ def test_teacher_forcing_through_the_sparse_cache_reproduces_greedy_decoding(dec
     model = tiny_model("llama")
     model.generation_config.eos_token_id = None
     prompts = tiny_prompts()
-    settings = GenerationSettings(make_policy("h2o_head"), budget=0.3, block_size=4, decode_eviction=decode_eviction)
+    settings = GenerationSettings(make_policy("h2o_head"), budget=0.3, page_size=4, decode_eviction=decode_eviction)
     gens = generate(model, None, [Request(p, [], 6) for p in prompts], settings)
     scores = score_continuations(model, [ScoreRequest(p, [], g.token_ids) for p, g in zip(prompts, gens)], settings)
     for gen, score in zip(gens, scores):
@@ -337,7 +337,7 @@ def test_scores_at_budget_one_equal_a_full_forward_and_shared_prompts_share_a_pa
     model = tiny_model("llama")
     prompt, = tiny_prompts((25,))
     answers = [[5, 9, 17], [5, 9, 40], [7]]
-    settings = GenerationSettings(make_policy("h2o_head"), budget=1.0, block_size=4)
+    settings = GenerationSettings(make_policy("h2o_head"), budget=1.0, page_size=4)
     forwards = []
     scores = score_continuations(model, [ScoreRequest(prompt[:20], prompt[20:], a) for a in answers], settings,
                                  observe=lambda event, cache: forwards.append(event))
@@ -354,14 +354,14 @@ def test_rolling_scores_stream_in_chunks_and_stay_within_budget_plus_chunk():
     sequence, = tiny_prompts((41,))
     full = torch.log_softmax(model(torch.tensor([sequence])).logits[0, :-1].float(), -1)
     want = full.gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
-    dense = GenerationSettings(make_policy("h2o_head"), budget=1.0, block_size=4, chunk_size=8)
+    dense = GenerationSettings(make_policy("h2o_head"), budget=1.0, page_size=4, chunk_size=8)
     score, = score_rolling(model, [sequence], [40], dense)
     assert torch.allclose(torch.tensor(score.logprobs), want, atol=1e-5)
     tail, = score_rolling(model, [sequence], [7], dense)
     assert torch.allclose(torch.tensor(tail.logprobs), want[-7:], atol=1e-5)
 
     peaks = []
-    sparse = GenerationSettings(make_policy("h2o_head"), budget=0.25, block_size=4, chunk_size=8)
+    sparse = GenerationSettings(make_policy("h2o_head"), budget=0.25, page_size=4, chunk_size=8)
     score, = score_rolling(model, [sequence], [40], sparse,
                            observe=lambda event, cache: peaks.append(int(cache.kept_tokens().max())))
     assert max(peaks) <= math.ceil(0.25 * 40) + 8 and score.kept_tokens == math.ceil(0.25 * 40)

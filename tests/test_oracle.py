@@ -275,10 +275,10 @@ def _snapshot(cache):
                   for pos in per_layer) for b in range(B)]
 
 
-def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, block_size=BLOCK, chunk_size=CHUNK,
+def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, page_size=BLOCK, chunk_size=CHUNK,
                 tokenizer=None):
     policy = make_policy(name, granularity, args)
-    settings = GenerationSettings(policy, budget=budget, layout=env["layout"], block_size=block_size,
+    settings = GenerationSettings(policy, budget=budget, layout=env["layout"], page_size=page_size,
                                   prefill=env["prefill"], chunk_size=chunk_size, query_aware=env["query_aware"],
                                   decode_eviction=env["decode_eviction"], seed=SEED,
                                   sliding_layers=env.get("sliding_layers", "budget"))
@@ -299,7 +299,7 @@ def run_evalkit(name, granularity, args, budget, env, new_tokens, requests, bloc
     return [g.token_ids for g in out], chunks, prefill, steps, {e for e, _ in events}
 
 
-def oracle_setup(name, granularity, args, budget, env, block_size=BLOCK, chunk_size=CHUNK) -> tuple[Spec, Settings]:
+def oracle_setup(name, granularity, args, budget, env, page_size=BLOCK, chunk_size=CHUNK) -> tuple[Spec, Settings]:
     """The oracle's Spec and Settings for evalkit's `name` at `granularity` with --policy-arg `args`."""
     family = family_of(name)
     overrides = {ORACLE_ARG[k][0]: ORACLE_ARG[k][1](v) for k, v in args.items()}
@@ -315,22 +315,22 @@ def oracle_setup(name, granularity, args, budget, env, block_size=BLOCK, chunk_s
         scores = evalkit.policies.duo_calibration.calibrated_head_scores(model_of(env))
         overrides["head_scores"] = tuple(tuple(float(x) for x in row) for row in scores.tolist())
     spec = published_spec(family, granularity, **overrides)
-    settings = Settings(budget, block_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
+    settings = Settings(budget, page_size, env["prefill"], chunk_size, env["query_aware"], env["decode_eviction"],
                         SEED, env.get("sliding_layers", "budget"))
     return spec, settings
 
 
-def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, block_size=BLOCK,
+def disagreement(name, granularity, args, budget, env, new_tokens=NEW_TOKENS, requests=None, page_size=BLOCK,
                  chunk_size=CHUNK, own_granularity=False, tokenizer=None, traces=None) -> str | None:
     """None when evalkit and the oracle agree on every step; else where they first differ. With
     `own_granularity`, evalkit runs `name` at the granularity it resolves to, the oracle at `granularity`; both
     get `tokenizer` (None: token ids alone, as every case but KVzip's chat-template ones)."""
     requests = requests or batch()
-    spec, settings = oracle_setup(name, granularity, args, budget, env, block_size, chunk_size)
+    spec, settings = oracle_setup(name, granularity, args, budget, env, page_size, chunk_size)
     tokens, chunks, prefill, steps, events = run_evalkit(name, None if own_granularity else granularity, args,
-                                                         budget, env, new_tokens, requests, block_size, chunk_size,
+                                                         budget, env, new_tokens, requests, page_size, chunk_size,
                                                          tokenizer)
-    sizes = "" if (block_size, chunk_size) == (BLOCK, CHUNK) else f" block={block_size} chunk={chunk_size}"
+    sizes = "" if (page_size, chunk_size) == (BLOCK, CHUNK) else f" block={page_size} chunk={chunk_size}"
     case = (f"policy={name} granularity={granularity}{' (its own)' if own_granularity else ''} "
             f"args={args or 'published'} budget={budget}{sizes} "
             f"[{env['arch']}, {env['layout']}, prefill={env['prefill']}, "
@@ -419,7 +419,7 @@ def long_batch():
 HYPER_CASES = [
     ("h2o_head", "head", {"sink_tokens": "3", "recent_fraction": "0.25"}, 0.3, DECODING, {}),
     ("h2o_page", "page", {"recent_fraction": "0", "recent_tokens": "5", "observation_window": "4"}, 0.3,
-     PAGED_CHUNKED, {"block_size": 2, "chunk_size": 7}),
+     PAGED_CHUNKED, {"page_size": 2, "chunk_size": 7}),
     ("tova_token", "token", {"recent_tokens": "0", "sink_tokens": "2"}, 0.3, DECODING, {}),  # the paper's rule
     ("tova_head", "head", {"observation_window": "3", "recent_fraction": "0.25", "recent_tokens": "2"}, 0.3,
      CHUNKED, {}),
@@ -428,7 +428,7 @@ HYPER_CASES = [
      {"chunk_size": 32}),
     ("pyramidkv_head", "head", {"window": "8", "beta": "2"}, 0.6, DECODING, {}),
     ("pyramidkv_head_page", "head_page", {"window": "6", "kernel": "3", "beta": "5", "sink_tokens": "2",
-                                          "recent_tokens": "2"}, 0.6, CHUNKED, {"block_size": 2}),
+                                          "recent_tokens": "2"}, 0.6, CHUNKED, {"page_size": 2}),
     ("pyramidkv_token", "token", {"window": "8", "pooling": "avg", "recent_fraction": "0.2"}, 0.3, DECODING, {}),
     ("adakv_snapkv", "head", {"window": "8", "alpha_safeguard": "0.5"}, 0.3, DECODING, {}),
     ("adakv_snapkv", "head", {"window": "6", "kernel": "3", "alpha_safeguard": "0", "sink_tokens": "2"}, 0.3,
@@ -437,15 +437,15 @@ HYPER_CASES = [
                               "recent_fraction": "0.2"}, 0.6, PAGED_CHUNKED, {}),
     ("knorm_head", "head", {"sink_tokens": "3", "recent_tokens": "2"}, 0.3, DECODING, {}),
     ("knorm_head_page", "head_page", {"recent_fraction": "0.5", "observation_window": "5"}, 0.3, CHUNKED,
-     {"block_size": 8}),
+     {"page_size": 8}),
     ("random", "head", {"sink_tokens": "2", "recent_fraction": "0.3", "recent_tokens": "1",
                         "observation_window": "5"}, 0.3, DECODING, {}),
     ("streaming_llm", "head", {"sink_tokens": "0", "recent_fraction": "0.5"}, 0.3, DECODING, {}),
     ("streaming_llm", "page", {"sink_tokens": "6", "recent_fraction": "0", "recent_tokens": "3",
-                               "observation_window": "5"}, 0.3, CHUNKED, {"block_size": 8}),
+                               "observation_window": "5"}, 0.3, CHUNKED, {"page_size": 8}),
     ("quest", "head", {"dense_layers": "0", "min_pages": "1"}, 0.1, DECODING, {}),  # 2 pages read, not 3
     ("quest_token", "token", {"dense_layers": "1", "min_pages": "5", "sink_tokens": "2", "recent_fraction": "0.5",
-                              "recent_tokens": "2", "observation_window": "3"}, 0.3, DECODING, {"block_size": 8}),
+                              "recent_tokens": "2", "observation_window": "3"}, 0.3, DECODING, {"page_size": 8}),
     ("full", "head", {"sink_tokens": "2", "recent_fraction": "0.5", "recent_tokens": "1",
                       "observation_window": "3"}, 0.3, DECODING, {}),
     # scripts/parity_kvpress.py's settings (docs/fidelity.md): ObservedAttention at its keeps 50 % and 20 %, and
@@ -458,9 +458,9 @@ HYPER_CASES = [
     # per-layer budget, Expected Attention's mean alone (one future position, no covariance, no value norm).
     ("keydiff_head", "head", {"sink_tokens": "2", "recent_tokens": "2", "recent_fraction": "0.2",
                               "observation_window": "3"}, 0.3, DECODING, {}),
-    ("keydiff_page", "page", {}, 0.3, PAGED_CHUNKED, {"block_size": 8, "chunk_size": 10}),
+    ("keydiff_page", "page", {}, 0.3, PAGED_CHUNKED, {"page_size": 8, "chunk_size": 10}),
     ("lagkv_head", "head", {"lag_size": "4", "sink_tokens": "1"}, 0.3, DECODING, {}),
-    ("lagkv_head_page", "head_page", {"lag": "8", "recent_tokens": "2"}, 0.6, CHUNKED, {"block_size": 2}),
+    ("lagkv_head_page", "head_page", {"lag": "8", "recent_tokens": "2"}, 0.6, CHUNKED, {"page_size": 2}),
     ("expected_attention_head", "head", {"n_future": "1", "use_covariance": "false", "use_vnorm": "false"}, 0.3,
      DECODING, {}),
     ("expected_attention_token", "token", {"n_sink": "0", "epsilon": "0.5", "recent_tokens": "1"}, 0.3, CHUNKED,
@@ -468,23 +468,23 @@ HYPER_CASES = [
     ("kvzip_head", "head", {"chunk_size": "7", "sink_tokens": "1", "recent_tokens": "1"}, 0.3, DECODING, {}),
     ("kvzip_head", "head", {"chunk": "11", "layerwise": "true"}, 0.6, CHUNKED, {"chunk_size": 33}),
     ("kvzip_page", "page", {"chunk_size": "8", "recent_fraction": "0.2", "observation_window": "2"}, 0.3,
-     PAGED_CHUNKED, {"block_size": 8, "chunk_size": 24}),
+     PAGED_CHUNKED, {"page_size": 8, "chunk_size": 24}),
     ("critical_snapkv_head", "head", {"window": "8", "first_stage_ratio": "0", "epsilon": "0"}, 0.3, DECODING, {}),
     ("critical_h2o_token", "token", {"first_stage_ratio": "1", "normalize": "true"}, 0.3, CHUNKED, {}),
     # Expected Attention's value norm under CriticalKV, with CriticalKV's epsilon 0 (the two share the name)
     ("critical_expected_attention_head", "head", {"use_vnorm": "true", "epsilon": "0"}, 0.3, DECODING, {}),
     ("critical_expected_attention_head", "head", {"use_vnorm": "true", "scorer_epsilon": "0.5"}, 0.3, DECODING, {}),
     ("critical_lagkv_head_page", "head_page", {"lag": "6", "first_stage_ratio": "0.75"}, 0.6, DECODING,
-     {"block_size": 2}),
+     {"page_size": 2}),
     ("adakv_expected_attention", "head", {"alpha_safeguard": "1", "n_future": "32"}, 0.3, CHUNKED, {}),
     ("adakv_keydiff", "head", {"alpha_safeguard": "0", "sink_tokens": "2"}, 0.1, DECODING, {}),
     ("adakv_lagkv", "head", {"lag": "4", "alpha_safeguard": "0.4"}, 0.3, DECODING, {}),
     # DuoAttention: pages of 2 and 8 within its sink and recent windows, chunked prefills of 10 (the window slides
     # over each chunk), an integer budget below sinks + recent (2 < 3: every head streams, the mean over the budget),
     # and no sink at budget 0.1
-    ("duo_attention", "head_page", {"sink_size": "3", "recent_size": "5"}, 0.3, CHUNKED, {"block_size": 2,
+    ("duo_attention", "head_page", {"sink_size": "3", "recent_size": "5"}, 0.3, CHUNKED, {"page_size": 2,
                                                                                           "chunk_size": 10}),
-    ("duo_attention", "head_page", {"sink_size": "8", "recent_size": "9"}, 0.6, PAGED_CHUNKED, {"block_size": 8}),
+    ("duo_attention", "head_page", {"sink_size": "8", "recent_size": "9"}, 0.6, PAGED_CHUNKED, {"page_size": 8}),
     ("duo_attention", "head", {"sink_size": "2", "recent_size": "1"}, 2, CHUNKED, {"chunk_size": 10}),
     ("duo_attention", "head", {"sink_size": "0", "recent_size": "4"}, 0.1, DECODING, {}),
     # a fixed share of streaming heads (kvpress's head_compression_ratio) of the 3 x 2 heads, whatever the budget:
@@ -493,7 +493,7 @@ HYPER_CASES = [
     ("duo_attention", "head", {"sink_size": "2", "recent_size": "3", "head_compression_ratio": "0.5"}, 0.9,
      DECODING, {}),
     ("duo_attention", "head_page", {"sink_size": "2", "recent_size": "4", "head_compression_ratio": "0.25"}, 0.3,
-     KVPRESS, {"block_size": 2}),
+     KVPRESS, {"page_size": 2}),
     # scripts/parity_kvpress.py's rows for them: published settings, query-agnostic, no decode eviction
     ("expected_attention_head", "head", {}, 0.5, KVPRESS, {"long": True}),
     ("adakv_expected_attention", "head", {}, 0.2, KVPRESS, {"long": True}),
@@ -539,7 +539,7 @@ def test_every_hyper_parameter_is_varied_against_the_oracle():
                       for key in policy_args(make_policy(name)) if key not in varied.get(family_of(name), ())
                       and key not in UNMOVABLE.get(family_of(name), ())})
     assert not missing, f"hyper-parameters no oracle case varies (add one to HYPER_CASES): {missing}"
-    assert {sizes["block_size"] for *_, sizes in HYPER_CASES if "block_size" in sizes} - {BLOCK}
+    assert {sizes["page_size"] for *_, sizes in HYPER_CASES if "page_size" in sizes} - {BLOCK}
     assert {sizes["chunk_size"] for *_, env, sizes in HYPER_CASES
             if "chunk_size" in sizes and env["prefill"] == "chunked"} - {CHUNK}
 
@@ -670,7 +670,7 @@ def _long_cases():
             for i, (name, granularity, args) in enumerate(LONG_DECODE_CASES)]
 
 
-def decoded_evictions(trace, context, question, block_size=BLOCK) -> tuple[set, set, set]:
+def decoded_evictions(trace, context, question, page_size=BLOCK) -> tuple[set, set, set]:
     """From an oracle trace, over every (layer, KV head): the decoded positions fed and not held after the last
     step (evicted); those of them held after some step (evicted after surviving one); and the pages lying wholly
     in decoded positions held whole after some step and not at all after the last."""
@@ -683,8 +683,8 @@ def decoded_evictions(trace, context, question, block_size=BLOCK) -> tuple[set, 
             evicted |= gone
             held = [set(step[l][h]) for step in trace.steps]
             survived |= gone & set().union(*held)
-            for page in {p // block_size for p in gone if p // block_size * block_size >= first}:
-                span = set(range(page * block_size, (page + 1) * block_size))
+            for page in {p // page_size for p in gone if p // page_size * page_size >= first}:
+                span = set(range(page * page_size, (page + 1) * page_size))
                 if not span & set(final) and any(span <= x for x in held):
                     pages.add(page)
     return evicted, survived, pages
@@ -746,7 +746,7 @@ def run_conversation(name, granularity, args, budget, env, context, turns, new_t
     """evalkit's `converse` on one conversation: (each turn's answer, the kept [layer][KV head] after each prefill
     chunk, after prefill, and after every later forward (and its compression), the events seen)."""
     settings = GenerationSettings(make_policy(name, granularity, args), budget=budget, layout=env["layout"],
-                                  block_size=BLOCK, prefill=env["prefill"], chunk_size=CHUNK,
+                                  page_size=BLOCK, prefill=env["prefill"], chunk_size=CHUNK,
                                   query_aware=env["query_aware"], decode_eviction=env["decode_eviction"], seed=SEED)
     events = []
 

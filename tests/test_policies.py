@@ -169,14 +169,14 @@ QUEST_QUERY = torch.tensor([[[1.0, 1.0]]])
 def test_quest_attends_the_top_pages_by_key_bounds_and_always_the_newest():
     quest = make_policy("quest")
     positions = torch.arange(10).view(1, 1, 10)
-    slots = quest.attended_slots(2, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([8]), block_size=2)
+    slots = quest.attended_slots(2, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([8]), page_size=2)
     # budget 8 -> ceil(8 / 2) = 4 pages: the newest (4) + the best bounds: page 1 (3), page 0 (2), page 2 (1)
     assert slots.int().tolist() == [[[1, 1, 1, 1, 1, 1, 0, 0, 1, 1]]]
     # stored out of order, with an empty slot: the same positions
     perm = torch.tensor([9, 3, 0, 7, 5, 1, 8, 2, 6, 4])
     keys = torch.cat([QUEST_KEYS[:, :, perm], torch.zeros(1, 1, 1, 2)], dim=2)
     stored = torch.cat([perm, torch.tensor([-1])]).view(1, 1, 11)
-    slots = quest.attended_slots(2, QUEST_QUERY, keys, stored, torch.tensor([8]), block_size=2)
+    slots = quest.attended_slots(2, QUEST_QUERY, keys, stored, torch.tensor([8]), page_size=2)
     assert sorted(stored[slots].tolist()) == [0, 1, 2, 3, 4, 5, 8, 9]
 
 
@@ -186,14 +186,14 @@ def test_quest_reads_everything_in_layers_0_and_1_and_at_least_3_pages_elsewhere
     quest = make_policy("quest")
     positions = torch.arange(10).view(1, 1, 10)
     for layer in (0, 1):
-        slots = quest.attended_slots(layer, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([2]), block_size=2)
+        slots = quest.attended_slots(layer, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([2]), page_size=2)
         assert slots.all()
-    slots = quest.attended_slots(2, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([2]), block_size=2)
+    slots = quest.attended_slots(2, QUEST_QUERY, QUEST_KEYS, positions, torch.tensor([2]), page_size=2)
     # max(3, ceil(2 / 2)) = 3 pages: the newest + page 1 (3) + page 0 (2)
     assert slots.int().tolist() == [[[1, 1, 1, 1, 0, 0, 0, 0, 1, 1]]]
     # empty slots are never read, dense layers included
     positions = torch.tensor([[[0, 1, -1, 3]]])
-    slots = quest.attended_slots(0, QUEST_QUERY, QUEST_KEYS[:, :, :4], positions, torch.tensor([1]), block_size=2)
+    slots = quest.attended_slots(0, QUEST_QUERY, QUEST_KEYS[:, :, :4], positions, torch.tensor([1]), page_size=2)
     assert slots.tolist() == [[[True, True, False, True]]]
 
 
@@ -476,7 +476,7 @@ def gqa3_model():
 def test_every_policy_runs_at_every_granularity_within_its_budget(name, granularity):
     """A real loop with GQA 3 and a batch of two lengths: tokens kept per (layer, sequence, KV head) after
     prefill are within the budget (Ada-KV: within the layer's budget x H_kv), and page granularities keep at
-    least budget - (block_size - 1). Paged and dense agree (all presets: tests/test_generate.py)."""
+    least budget - (page_size - 1). Paged and dense agree (all presets: tests/test_generate.py)."""
     model = gqa3_model()
     prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (40, 23)]
     budget = torch.tensor([12, 7])  # ceil(0.3 x [40, 23])
@@ -488,7 +488,7 @@ def test_every_policy_runs_at_every_granularity_within_its_budget(name, granular
             kept["tokens"] = cache.kept_tokens()  # [L, B, H_kv]
 
     requests = [Request(p[:-5], p[-5:], 3) for p in prompts]
-    settings = GenerationSettings(policy, budget=0.3, block_size=4)
+    settings = GenerationSettings(policy, budget=0.3, page_size=4)
     out = generate(model, None, requests, settings, observe=grab)
     assert [len(g.token_ids) for g in out] == [3, 3]
     tokens = kept["tokens"]
@@ -530,7 +530,7 @@ def newest_tokens_evicted(policy, prefill: str, query_aware: bool) -> int:
         elif event == "compressed":
             lost.extend(int((~(p == newest["at"][:, None, None]).any(-1)).sum()) for p in positions)
 
-    settings = GenerationSettings(policy, budget=0.2, block_size=4, prefill=prefill, chunk_size=16,
+    settings = GenerationSettings(policy, budget=0.2, page_size=4, prefill=prefill, chunk_size=16,
                                   query_aware=query_aware)
     generate(gqa3_model(), None, requests, settings, observe=watch)
     return sum(lost)
@@ -558,7 +558,7 @@ def test_quest_restricts_reads_from_the_third_layer_on():
     model.generation_config.eos_token_id = None
     prompt = torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(4)).tolist()
     out = generate(model, None, [Request(prompt, [], 4)], GenerationSettings(make_policy("quest"), budget=8,
-                                                                              block_size=4))
+                                                                              page_size=4))
     # layers 0 and 1 read all their slots, layer 2 about max(3, 2) pages of 16: 2/3 < fraction < 1
     assert 2 / 3 < out[0].attended_fraction < 1.0
 
@@ -576,7 +576,7 @@ def test_adakv_heads_keep_different_numbers_of_tokens_and_free_the_pages():
             counts["ideal"] = int(cache.bytes_ideal()[0])
 
     generate(model, None, [Request(prompt, [], 2)], GenerationSettings(make_policy("adakv"), budget=0.25,
-                                                                        block_size=4), observe=grab)
+                                                                        page_size=4), observe=grab)
     kept = counts["kept"]
     assert (kept.sum(-1) == 2 * 64).all()  # the layer total is budget x heads
     assert (kept[:, 0] != kept[:, 1]).any()  # ... split unevenly

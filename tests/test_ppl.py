@@ -216,7 +216,7 @@ def test_token_by_token_at_budget_one_equals_one_forward_pass(tiny, monkeypatch,
             2, torch.tensor(sequences)[:, 1:, None])[..., 0]  # [B, 149]: token p from positions < p
 
     def scored(budget):
-        settings = GenerationSettings(make_policy(name), budget=budget, block_size=4, chunk_size=1,
+        settings = GenerationSettings(make_policy(name), budget=budget, page_size=4, chunk_size=1,
                                       decode_step=decode_step)
         return score_rolling(tiny, sequences, [149, 149], settings)
 

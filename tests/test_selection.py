@@ -45,7 +45,7 @@ def test_each_granularity_keeps_what_its_name_says():
     scores = torch.stack([ranks, ranks.flip(0)])[None]  # [1, 2, 16]: head 0 wants the end, head 1 the start
     scores = scores + 0.5 * (torch.arange(T) % 2)  # and, within a page, odd positions: no page is kept whole
     kept = {g: kept_positions(keep_mask(scores, ordered_positions(1, 2, T), torch.tensor([T]), torch.tensor([6]), g,
-                                        block_size=block), ordered_positions(1, 2, T))[0] for g in GRANULARITIES}
+                                        page_size=block), ordered_positions(1, 2, T))[0] for g in GRANULARITIES}
     for granularity, (head_0, head_1) in kept.items():
         shared = granularity in ("token", "page")
         assert (head_0 == head_1) == shared, granularity
@@ -166,7 +166,7 @@ def test_page_keeps_whole_pages_ranked_by_mean_score():
     # block 2 -> pages {0,1} {2,3} {4,5} {6,7} with means 1, 7, 3, 4.5; seen 8 is a multiple of 2: no page filling
     # greedy, budget 5: page 1 (2 tokens, room 3), page 3 (2, room 1), page 2 (2 > 1: skip), page 0 (skip)
     keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([5], torch.long), "page",
-                       block_size=2)
+                       page_size=2)
     assert keep.tolist() == [[[False, False, True, True, False, False, True, True]]]
     # position 7 (score 0) is kept with its page; 4 and 5 (score 3) are not: no partial pages.
     # "head" with the same budget keeps the 5 best tokens instead:
@@ -181,7 +181,7 @@ def test_page_greedy_skips_a_page_that_does_not_fit_and_takes_a_smaller_one_afte
     scores = t([[[5, 5, 9, 9, 2, 100, 1, 1]]])  # the empty slot's 100 is ignored
     # means 5, 9, 2, 1; seen 8 is a multiple of 2: no page being filled
     # budget 3: page 1 (2 tokens, room 1), page 0 (2 > 1: skip), page 2 (1 token fits, room 0), page 3 (skip)
-    keep = keep_mask(scores, positions, t([8], torch.long), t([3], torch.long), granularity, block_size=2)
+    keep = keep_mask(scores, positions, t([8], torch.long), t([3], torch.long), granularity, page_size=2)
     assert keep.tolist() == [[[False, False, True, True, True, False, False, False]]]
 
 
@@ -192,16 +192,16 @@ def test_page_being_filled_is_protected(granularity):
     # order: page 3 (protected, 1 token), then page 1 (9), page 0 (5), page 2 (1)
     # budget 3: page 3 (room 2), page 1 (room 0), the rest do not fit
     keep = keep_mask(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([3], torch.long), granularity,
-                       block_size=2)
+                       page_size=2)
     assert keep.tolist() == [[[False, False, True, True, False, False, True]]]
     # budget 2: page 3 (room 1), page 1 (2 > 1: skip), page 0 (skip), page 2 (skip): 1 token = k - (S - 1)
     keep = keep_mask(scores, ordered_positions(1, 1, 7), t([7], torch.long), t([2], torch.long), granularity,
-                       block_size=2)
+                       page_size=2)
     assert keep.tolist() == [[[False, False, False, False, False, False, True]]]
     # seen 8 (page 3 = {6, 7} complete): nothing is being filled, page 3 ranks by its mean 2
     scores8 = t([[[5, 5, 9, 9, 1, 1, 2, 2]]])
     keep = keep_mask(scores8, ordered_positions(1, 1, 8), t([8], torch.long), t([4], torch.long), granularity,
-                       block_size=2)
+                       page_size=2)
     # budget 4: page 1 (9), page 0 (5)
     assert keep.tolist() == [[[True, True, True, True, False, False, False, False]]]
 
@@ -213,7 +213,7 @@ def test_page_is_shared_by_all_heads_with_the_mean_over_heads_and_tokens():
     # page means over (head, token): page 0 (9+9+0+0)/4 = 4.5, page 1 (0+0+5+5)/4 = 2.5, page 2 = 4
     # budget 4: page 0 (room 2), page 2 (room 0) -> positions 0, 1, 4, 5 in both heads
     keep = keep_mask(scores, ordered_positions(1, 2, 6), t([6], torch.long), t([4], torch.long), "page",
-                       block_size=2)
+                       page_size=2)
     assert keep.tolist() == [[[True, True, False, False, True, True],
                               [True, True, False, False, True, True]]]
 
@@ -226,7 +226,7 @@ def test_page_counts_the_positions_held_by_any_head():
                  [1, 1, 0, 9, 2, 2]]])
     # means over (head, token) pairs: page 0 (1+1+1+1)/4 = 1, page 1 (9+9)/2 = 9, page 2 2
     # budget 3: page 1 (2 distinct positions, room 1), page 2 (2 > 1: skip), page 0 (skip)
-    keep = keep_mask(scores, positions, t([6], torch.long), t([3], torch.long), "page", block_size=2)
+    keep = keep_mask(scores, positions, t([6], torch.long), t([3], torch.long), "page", page_size=2)
     assert keep.tolist() == [[[False, False, True, False, False, False],
                               [False, False, False, True, False, False]]]
 
@@ -234,7 +234,7 @@ def test_page_counts_the_positions_held_by_any_head():
 def test_page_ties_go_to_the_earlier_page():
     scores = t([[[3, 3, 1, 1, 3, 3]]])  # pages 0 and 2 tie at 3; budget 2 -> page 0
     keep = keep_mask(scores, ordered_positions(1, 1, 6), t([6], torch.long), t([2], torch.long), "page",
-                       block_size=2)
+                       page_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False]]]
 
 
@@ -243,7 +243,7 @@ def test_page_protected_pages_count_against_the_budget():
     pos, seen = ordered_positions(1, 1, 6), t([6], torch.long)
 
     def keep(budget):
-        return keep_mask(scores, pos, seen, t([budget], torch.long), "page", block_size=2, sink_tokens=1,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "page", page_size=2, sink_tokens=1,
                            recent=t([1], torch.long)).tolist()
 
     # sink 1 protects page 0 (positions 0, 1); recent 1 protects page 2 (positions 4, 5)
@@ -261,7 +261,7 @@ def test_page_protected_pages_most_recent_first():
     pos, seen = ordered_positions(1, 1, 8), t([8], torch.long)
 
     def keep(budget):
-        return keep_mask(scores, pos, seen, t([budget], torch.long), "page", block_size=2,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "page", page_size=2,
                            recent=t([3], torch.long)).tolist()
 
     # recent 3 of seen 8 -> positions 5, 6, 7: pages 3 ({6,7}) then 2 ({4,5}), most recent first; then 0, 1 (9)
@@ -277,11 +277,11 @@ def test_head_page_heads_keep_their_own_pages():
                  [0, 0, 8, 6, 0, 2]]])
     pos, seen, budget = ordered_positions(1, 2, 6), t([6], torch.long), t([2], torch.long)
     # block 2; head 0's page means 9, 0, 1 -> page 0; head 1's 0, 7, 1 -> page 1
-    keep = keep_mask(scores, pos, seen, budget, "head_page", block_size=2)
+    keep = keep_mask(scores, pos, seen, budget, "head_page", page_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False],
                               [False, False, True, True, False, False]]]
     # "page" ranks the means over both heads, (9+9+0+0)/4 = 4.5, (0+0+8+6)/4 = 3.5, (1+1+0+2)/4 = 1: page 0 for both
-    keep = keep_mask(scores, pos, seen, budget, "page", block_size=2)
+    keep = keep_mask(scores, pos, seen, budget, "page", page_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False],
                               [True, True, False, False, False, False]]]
 
@@ -296,7 +296,7 @@ def test_head_page_ranks_by_the_heads_own_mean_and_counts_its_own_tokens():
     #   budget 3: page 1 (1 token, room 2), page 0 (2, room 0), page 2 (skip) -> 0, 1, 2
     # head 1: page means 4, 1, 3 (2 tokens each)
     #   budget 3: page 0 (room 1), page 2 (2 > 1: skip), page 1 (skip) -> 0, 1
-    keep = keep_mask(scores, positions, t([6], torch.long), t([3], torch.long), "head_page", block_size=2)
+    keep = keep_mask(scores, positions, t([6], torch.long), t([3], torch.long), "head_page", page_size=2)
     assert keep.tolist() == [[[True, True, True, False, False, False],
                               [True, True, False, False, False, False]]]
 
@@ -307,7 +307,7 @@ def test_head_page_being_filled_is_protected_per_head():
     # block 2, seen 7: page 3 = {6} is being filled; it goes first in every head whatever its score
     # budget 3: head 0 -> page 3 (room 2), page 0 (9, room 0); head 1 -> page 3, page 2 (9)
     keep = keep_mask(scores, ordered_positions(1, 2, 7), t([7], torch.long), t([3], torch.long), "head_page",
-                       block_size=2)
+                       page_size=2)
     assert keep.tolist() == [[[True, True, False, False, False, False, True],
                               [False, False, False, False, True, True, True]]]
     # "head" at the same budget keeps each head's best 3 tokens, position 6 (score 0) not among them
@@ -322,7 +322,7 @@ def test_head_page_budget_below_protected_keeps_the_sinks_then_the_most_recent()
     pos, seen = ordered_positions(1, 2, 8), t([8], torch.long)
 
     def keep(budget):
-        return keep_mask(scores, pos, seen, t([budget], torch.long), "head_page", block_size=2, sink_tokens=1,
+        return keep_mask(scores, pos, seen, t([budget], torch.long), "head_page", page_size=2, sink_tokens=1,
                            recent=t([3], torch.long)).tolist()
 
     # sink 1 -> page 0; recent 3 of seen 8 -> positions 5, 6, 7 -> pages 3 then 2 (most recent first)
@@ -342,7 +342,7 @@ def test_page_budget_below_one_page_keeps_no_whole_page():
     scores = t([[[0, 9, 9, 9, 9, 9, 9, 0]]])
     for granularity in PAGE_GRANULARITIES:
         keep = keep_mask(scores, ordered_positions(1, 1, 8), t([8], torch.long), t([1], torch.long), granularity,
-                           block_size=2, sink_tokens=1, recent=t([1], torch.long))
+                           page_size=2, sink_tokens=1, recent=t([1], torch.long))
         assert not keep.any()
 
 
@@ -356,10 +356,10 @@ def test_budget_at_least_live_keeps_every_live_slot(granularity):
     # 4 live per head, 6 distinct positions: "token"/"page" count positions shared by the heads
     for budget in (6, 7, 100):
         keep = keep_mask(scores, positions, t([6], torch.long), t([budget], torch.long), granularity,
-                           block_size=2)
+                           page_size=2)
         assert keep.tolist() == (positions >= 0).tolist()
     if granularity in ("head", "head_page"):  # per head, a budget of 4 = its live count is enough
-        keep = keep_mask(scores, positions, t([6], torch.long), t([4], torch.long), granularity, block_size=2)
+        keep = keep_mask(scores, positions, t([6], torch.long), t([4], torch.long), granularity, page_size=2)
         assert keep.tolist() == (positions >= 0).tolist()
 
 
@@ -389,7 +389,7 @@ def test_per_row_budgets_and_seen():
     # row 0: top-3 of [1,5,3,4,2] -> pos 1, 3, 2; row 1: top-1 of [1,5,3] -> pos 1
     assert keep.tolist() == [[[False, True, True, True, False]],
                              [[False, True, False, False, False]]]
-    keep = keep_mask(scores, positions, seen, t([2, 2], torch.long), "page", block_size=2)
+    keep = keep_mask(scores, positions, seen, t([2, 2], torch.long), "page", page_size=2)
     # row 0 (seen 5, page 2 = {4} being filled): page 2 (room 1), page 1 {2,3} mean 3.5 (skip), page 0 (skip)
     # row 1 (seen 3, page 1 = {2} being filled): page 1 (room 1), page 0 {0,1} (skip)
     assert keep.tolist() == [[[False, False, False, False, True]],
@@ -421,9 +421,9 @@ def test_storage_order_does_not_change_the_kept_positions(granularity, seed):
     positions[0, 1, 3] = -1  # a hole left by an earlier eviction
     positions[1, 2, 7] = -1
     seen, budget, recent = t([12, 12], torch.long), t([5, 7], torch.long), t([2, 0], torch.long)
-    ordered = keep_mask(scores, positions, seen, budget, granularity, block_size=4, sink_tokens=1, recent=recent)
+    ordered = keep_mask(scores, positions, seen, budget, granularity, page_size=4, sink_tokens=1, recent=recent)
     s, p = scramble(scores, positions, seed)
-    scrambled = keep_mask(s, p, seen, budget, granularity, block_size=4, sink_tokens=1, recent=recent)
+    scrambled = keep_mask(s, p, seen, budget, granularity, page_size=4, sink_tokens=1, recent=recent)
     assert kept_positions(scrambled, p) == kept_positions(ordered, positions)
     assert not scrambled[p < 0].any()  # an empty slot is never kept, whatever its score
 
@@ -433,9 +433,9 @@ def test_bf16_scores_select_like_float32(granularity):
     # A scorer working on bf16 keys returns bf16 scores; selection must accept them.
     scores = SCORES_2H.to(torch.bfloat16)
     keep = keep_mask(scores, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long), granularity,
-                       block_size=1)
+                       page_size=1)
     expected = keep_mask(SCORES_2H, ordered_positions(1, 2, 5), t([5], torch.long), t([2], torch.long),
-                           granularity, block_size=1)
+                           granularity, page_size=1)
     assert keep.tolist() == expected.tolist()
 
 

@@ -32,9 +32,9 @@ def evict(layer, granularity, seen, S, position_scores):
     scores = position_scores.gather(2, view.pos.clamp(min=0))
     if granularity in ("head", "head_page"):  # a budget per KV head
         keep = torch.cat([keep_mask(scores[:, h:h + 1], view.pos[:, h:h + 1], seen, CAPS[:, h], granularity,
-                                    block_size=S) for h in range(H_KV)], dim=1)
+                                    page_size=S) for h in range(H_KV)], dim=1)
     else:
-        keep = keep_mask(scores, view.pos, seen, CAPS[:, 0], granularity, block_size=S)
+        keep = keep_mask(scores, view.pos, seen, CAPS[:, 0], granularity, page_size=S)
     layer.evict(view.index, keep)
 
 
@@ -128,12 +128,12 @@ def test_serving_decode_equals_evalkits_paged_attention_and_its_kernel(granulari
     D = layer.head_dim
     q = torch.randn(B, H_KV * G, 1, D, generator=torch.Generator().manual_seed(seed))
     q_pos = (seen - 1)[:, None]  # the newest token's: every kept token is visible
-    table, block_size, scanned = layer.page_table()
+    table, page_size, scanned = layer.page_table()
     inputs = (q, q_pos, layer.k, layer.v, layer.pos, table, scanned)
     scale = D ** -0.5
-    expected, _ = paged_attention_reference(*inputs, block_size, scale)  # [B, 1, H_q, D] float64
+    expected, _ = paged_attention_reference(*inputs, page_size, scale)  # [B, 1, H_q, D] float64
     poisoned = torch.full((B, 1, H_KV * G, D), float("nan"), device=DEVICE)
-    kernel, _ = paged_attention(*(t.to(DEVICE) for t in inputs), block_size, scale, out=poisoned)
+    kernel, _ = paged_attention(*(t.to(DEVICE) for t in inputs), page_size, scale, out=poisoned)
 
     out = serving_decode_reference(q[:, :, 0], serving, scale)  # [B, H_q, D] float64
     torch.testing.assert_close(out, expected[:, 0], rtol=1e-12, atol=1e-12)

@@ -100,7 +100,7 @@ def test_a_shared_prefill_generates_what_each_cells_own_prefill_generates(query_
     for policy in policies:
         for budget in BUDGETS:
             for layout in ("paged", "dense"):
-                settings = GenerationSettings(policy=policy, budget=budget, layout=layout, block_size=4,
+                settings = GenerationSettings(policy=policy, budget=budget, layout=layout, page_size=4,
                                               query_aware=query_aware)
                 own = generate(model, None, batch, settings)
                 forked = generate(model, None, batch, settings, shared=shared)
@@ -123,9 +123,9 @@ def held_tokens(cache) -> list:
     return held, [layer.packed for layer in cache.layers]
 
 
-@pytest.mark.parametrize("layout, block_size, arch", [("paged", 4, "llama"), ("paged", 16, "llama"),
+@pytest.mark.parametrize("layout, page_size, arch", [("paged", 4, "llama"), ("paged", 16, "llama"),
                                                      ("dense", 16, "llama"), ("paged", 4, "gemma3")])
-def test_a_cell_forked_compressed_holds_what_its_own_compression_leaves(layout, block_size, arch):
+def test_a_cell_forked_compressed_holds_what_its_own_compression_leaves(layout, page_size, arch):
     """Query-aware cells never store what compression drops (`SharedPrefill.fork_compressed`): after the
     prefill their cache holds exactly the tokens, in the same order, with the same K, V and statistics,
     as the cell's own prefill and compression (on a sliding layer: its window drop too); the same bytes; and the
@@ -139,7 +139,7 @@ def test_a_cell_forked_compressed_holds_what_its_own_compression_leaves(layout, 
     with evalkit_attention(model):
         for policy in policies:
             for budget in (0.2, 0.5, 1.0):
-                settings = GenerationSettings(policy=policy, budget=budget, layout=layout, block_size=block_size)
+                settings = GenerationSettings(policy=policy, budget=budget, layout=layout, page_size=page_size)
                 own, forked = (start(model, None, batch, settings, shared=s) for s in (None, shared))
                 assert forked.state.cache.storage_bytes() <= own.state.cache.storage_bytes()
                 (own_held, own_packed), (forked_held, forked_packed) = map(held_tokens, (own.state.cache,

@@ -85,7 +85,7 @@ def test_a_static_step_reads_nothing_back_to_the_host(model, monkeypatch, name):
         evicted.append(sum(int((layer.pos >= 0).sum()) for layer in self.state.cache.layers) <= live)
 
     monkeypatch.setattr(StaticStep, "step", guarded)
-    settings = GenerationSettings(policy(name), budget=0.4, block_size=4, decode_step="static")
+    settings = GenerationSettings(policy(name), budget=0.4, page_size=4, decode_step="static")
     generate(model, None, requests(), settings)
     assert len(steps) == MAX_NEW - 1
     if settings.policy.evicts:
@@ -102,7 +102,7 @@ def _run(model, name: str, layout: str, budget: float, mode: str, kernels: str =
             kept.append([sorted(p for p in layer.gather(layer.pos, layer.slot_index())[b, h].tolist() if p >= 0)
                          for layer in cache.layers for b in range(layer.batch) for h in range(layer.kv_heads)])
 
-    settings = GenerationSettings(policy(name), budget=budget, block_size=4, layout=layout, decode_step=mode,
+    settings = GenerationSettings(policy(name), budget=budget, page_size=4, layout=layout, decode_step=mode,
                                   kernels=kernels, **options)
     fed, logits = [], []
     with torch.inference_mode(), evalkit_attention(model):
@@ -151,7 +151,7 @@ def _token_by_token(model, name: str, layout: str, mode: str):
             kept.extend(sorted(p for p in layer.gather(layer.pos, layer.slot_index())[b, h].tolist() if p >= 0)
                         for layer in cache.layers for b in range(layer.batch) for h in range(layer.kv_heads))
 
-    settings = GenerationSettings(policy(name), budget=0.3, block_size=4, layout=layout, chunk_size=1,
+    settings = GenerationSettings(policy(name), budget=0.3, page_size=4, layout=layout, chunk_size=1,
                                   decode_step=mode)
     return score_rolling(model, sequences, [79, 79], settings, observe), kept
 
@@ -239,7 +239,7 @@ def test_a_pool_too_small_for_the_whole_decode_is_refused_before_anything_is_res
     """The static step reserves every head's whole decode up front (the eager step takes pages as it goes, and
     needs none it never reaches): a pool that holds the prompts (40 pages of 4 tokens) but not every new token
     is refused with one line, nothing taken from it."""
-    settings = GenerationSettings(policy("full"), block_size=4, pool_pages=40, decode_step="static")
+    settings = GenerationSettings(policy("full"), page_size=4, pool_pages=40, decode_step="static")
     with torch.inference_mode(), evalkit_attention(model):
         run = start(model, None, requests(), settings)
         free = [layer.pool.num_free for layer in run.state.cache.layers]
@@ -255,7 +255,7 @@ def test_the_cuda_graph_replays_the_static_step_bit_for_bit(name):
     model = tiny_model().cuda()
     runs = {}
     for mode in ("static", "graph"):
-        settings = GenerationSettings(policy(name), budget=0.4, block_size=4, decode_step=mode)
+        settings = GenerationSettings(policy(name), budget=0.4, page_size=4, decode_step=mode)
         runs[mode] = [g.token_ids for g in generate(model, None, requests(), settings)]
     assert runs["graph"] == runs["static"]
 

@@ -144,14 +144,14 @@ def selection_point(shape: HeadShape, policy_name: str, n: int, budget: float) -
             "seconds": time_call(call, Clock(device))}
 
 
-def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int) -> dict:
+def decode_attention_point(shape: HeadShape, n: int, kept: int, page_size: int) -> dict:
     """One decode query's attention over a paged layer that saw n tokens and keeps `kept` per KV head
     (a different random set per head, then compacted): on CUDA the Triton kernel reading the pages in
     place, elsewhere the layer's `read()` of its pages and the torch reference, as the loop dispatches."""
     device = torch.device(shape.device)
     generator = torch.Generator().manual_seed(n + kept)
     q, k, v = _qkv(shape, 1, n, generator)
-    layer = PagedLayer(1, shape.kv_heads, shape.head_dim, shape.kv_heads * math.ceil(n / block_size), block_size,
+    layer = PagedLayer(1, shape.kv_heads, shape.head_dim, shape.kv_heads * math.ceil(n / page_size), page_size,
                        shape.torch_dtype, device)
     layer.append(k, v, torch.arange(n, device=device)[None], torch.ones(1, n, dtype=torch.bool, device=device))
     view = layer.read()
@@ -182,7 +182,7 @@ def decode_attention_point(shape: HeadShape, n: int, kept: int, block_size: int)
 
 # --- the whole set ------------------------------------------------------------------------------
 
-def measurement_points(sizes: list[int], policies: list[str], budget: float, block_size: int,
+def measurement_points(sizes: list[int], policies: list[str], budget: float, page_size: int,
                        routes: tuple[str, ...] = ("flash+tiles",)) -> list[tuple]:
     """(component, function, args) for every point, given the prompt sizes, the evicting policies and the prefill
     routes to time (`prefill_routes`)."""
@@ -191,9 +191,9 @@ def measurement_points(sizes: list[int], policies: list[str], budget: float, blo
               for route in routes for collect in PREFILL_COLLECTS for n in sizes]
     points += [("selection", selection_point, (policy, n, budget)) for policy in policies for n in sizes]
     fixed_kept = _fixed_kept(sizes)
-    points += [("decode_attention", decode_attention_point, (n, fixed_kept, block_size)) for n in sizes]
+    points += [("decode_attention", decode_attention_point, (n, fixed_kept, page_size)) for n in sizes]
     longest = sizes[-1]
-    points += [("decode_attention", decode_attention_point, (longest, kept, block_size))
+    points += [("decode_attention", decode_attention_point, (longest, kept, page_size))
                for kept in sorted({max(1, round(f * longest)) for f in KEPT_FRACTIONS} - {fixed_kept})]
     return points
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from evalkit.cache.pool import BlockPool, PoolExhausted
+from evalkit.cache.pool import PagePool, PoolExhausted
 from evalkit.cache.layouts import DenseLayer, PagedLayer
 from evalkit.cache.storage import SlotLayer, SlotView
 
@@ -28,14 +28,14 @@ class KVCache:
         self.layout = layout
 
     @classmethod
-    def create(cls, layout: str, config, batch: int, capacity: int, block_size: int = 16,
+    def create(cls, layout: str, config, batch: int, capacity: int, page_size: int = 16,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                pool_pages: int | None = None) -> "KVCache":
         """`capacity`: most tokens one head must hold at once; sizes each layer's pool or buffer."""
         num_layers, kv_heads, head_dim = model_kv_shape(config)
         if layout == "paged":
-            pages = pool_pages or batch * kv_heads * math.ceil(capacity / block_size)
-            layers = [PagedLayer(batch, kv_heads, head_dim, pages, block_size, dtype, device)
+            pages = pool_pages or batch * kv_heads * math.ceil(capacity / page_size)
+            layers = [PagedLayer(batch, kv_heads, head_dim, pages, page_size, dtype, device)
                       for _ in range(num_layers)]
         elif layout == "dense":
             layers = [DenseLayer(batch, kv_heads, head_dim, capacity, dtype, device) for _ in range(num_layers)]
@@ -64,5 +64,5 @@ class KVCache:
             layer.compact()
 
 
-__all__ = ["KVCache", "LAYOUTS", "BlockPool", "PoolExhausted", "PagedLayer", "DenseLayer", "SlotLayer",
+__all__ = ["KVCache", "LAYOUTS", "PagePool", "PoolExhausted", "PagedLayer", "DenseLayer", "SlotLayer",
            "SlotView", "model_kv_shape"]

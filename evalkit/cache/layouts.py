@@ -1,6 +1,6 @@
 """The two layouts of `SlotLayer` (evalkit/cache/storage.py): which slots belong to which (sequence, KV head).
 
-- `PagedLayer`: pages of `S` slots from a `BlockPool`, one block table per (sequence, KV head), so heads
+- `PagedLayer`: pages of `S` slots from a `PagePool`, one page table per (sequence, KV head), so heads
   keep different tokens and an empty page is really returned to the pool.
 - `DenseLayer`: a fixed `[B, H_kv, C]` buffer, the baseline layout.
 """
@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from evalkit.cache.pool import BlockPool, PoolExhausted
+from evalkit.cache.pool import PagePool, PoolExhausted
 from evalkit.cache.storage import SlotLayer
 
 
 class PagedLayer(SlotLayer):
-    """Pages of `block_size` slots, one KV head per page, a block table per (sequence, KV head)."""
+    """Pages of `page_size` slots, one KV head per page, a page table per (sequence, KV head)."""
 
-    def __init__(self, batch, kv_heads, head_dim, num_pages: int, block_size: int, dtype, device):
-        super().__init__(batch, kv_heads, head_dim, num_pages * block_size, block_size, dtype, device)
-        self.block_size = block_size
-        self.pool = BlockPool(num_pages, block_size)
+    def __init__(self, batch, kv_heads, head_dim, num_pages: int, page_size: int, dtype, device):
+        super().__init__(batch, kv_heads, head_dim, num_pages * page_size, page_size, dtype, device)
+        self.page_size = page_size
+        self.pool = PagePool(num_pages, page_size)
         self.null_page = num_pages  # the sentinel page
         self.tables: list[list[list[int]]] = [[[] for _ in range(kv_heads)] for _ in range(batch)]
         self._index: torch.Tensor | None = None
@@ -28,9 +28,9 @@ class PagedLayer(SlotLayer):
 
     @property
     def num_real_slots(self) -> int:
-        return self.pool.num_pages * self.block_size
+        return self.pool.num_pages * self.page_size
 
-    def block_table(self) -> torch.Tensor:
+    def padded_pages(self) -> torch.Tensor:
         """[B, H_kv, max_pages] int32 page ids, padded with the sentinel page."""
         width = max(1, max(len(t) for row in self.tables for t in row))
         padded = [[t + [self.null_page] * (width - len(t)) for t in row] for row in self.tables]
@@ -38,9 +38,9 @@ class PagedLayer(SlotLayer):
 
     def slot_index(self) -> torch.Tensor:
         if self._index is None:
-            S = self.block_size
+            S = self.page_size
             offsets = torch.arange(S, device=self.pos.device)
-            pages = self.block_table().long()
+            pages = self.padded_pages().long()
             self._index = (pages[..., None] * S + offsets).flatten(2)  # [B, H, pages * S]
             self._runs = self._as_runs()
         return self._index
@@ -57,13 +57,13 @@ class PagedLayer(SlotLayer):
             return None
         if firsts[-1] + max(map(len, tables)) > self.null_page + 1:  # a head's padding would read past the storage
             return None
-        return firsts[0] * self.block_size, step * self.block_size
+        return firsts[0] * self.page_size, step * self.page_size
 
     def _run_wanted(self, kept: torch.Tensor):
         """(b, h, the pages a head holding kept[b, h] tokens has as one run from its first page) per head."""
         for b, (row, counts) in enumerate(zip(self.tables, kept.tolist())):
             for h, (table, count) in enumerate(zip(row, counts)):
-                need = -(-count // self.block_size)
+                need = -(-count // self.page_size)
                 if table and need:
                     yield b, h, list(range(table[0], table[0] + need))
 
@@ -102,7 +102,7 @@ class PagedLayer(SlotLayer):
                                rows.storage_offset() + first * row)
 
     def _reserve(self, free_needed: torch.Tensor) -> None:
-        pages_needed = (free_needed + self.block_size - 1) // self.block_size
+        pages_needed = (free_needed + self.page_size - 1) // self.page_size
         self.pool.check_room(int(pages_needed.sum()))  # all or nothing
         for b, h in pages_needed.nonzero().tolist():
             table = self.tables[b][h]
@@ -112,7 +112,7 @@ class PagedLayer(SlotLayer):
     def _reserve_apart(self, free_needed: torch.Tensor) -> None:
         """Each head's pages from the start of its equal share of a free pool (head i of the (sequence, head)
         order: from page i * share), so decoding extends them as one run and K/V stay strided views."""
-        pages_needed = ((free_needed + self.block_size - 1) // self.block_size).flatten().tolist()
+        pages_needed = ((free_needed + self.page_size - 1) // self.page_size).flatten().tolist()
         share = self.pool.num_pages // len(pages_needed)
         runs = [list(range(i * share, i * share + n)) for i, n in enumerate(pages_needed)]
         if any(table for row in self.tables for table in row) or max(pages_needed) > share or \
@@ -124,16 +124,16 @@ class PagedLayer(SlotLayer):
 
     def owned_slots(self) -> torch.Tensor:
         pages = [[len(table) for table in row] for row in self.tables]
-        return torch.tensor(pages, device=self.pos.device) * self.block_size
+        return torch.tensor(pages, device=self.pos.device) * self.page_size
 
     def _pages_for(self, missing: torch.Tensor) -> int:
-        return int(((missing + self.block_size - 1) // self.block_size).sum())
+        return int(((missing + self.page_size - 1) // self.page_size).sum())
 
     def _free_storage(self) -> int:
         return self.pool.num_free
 
     def _release_empty(self, emptied: torch.Tensor | None = None, one_lost_of: int | None = None) -> None:
-        S = self.block_size
+        S = self.page_size
         if self.frozen:
             return  # a frozen head keeps its pages (`freeze`)
         if one_lost_of is not None and S > 1 and one_lost_of % S != 1:
@@ -156,15 +156,15 @@ class PagedLayer(SlotLayer):
     def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
         index = self.slot_index()
         if self._table is None or self._table[0] is not index:  # every layer of every step: built once per table
-            S = self.block_size
+            S = self.page_size
             table = index[..., ::S] // S  # tables are padded at their end with the sentinel page
             head_tokens = (table != self.null_page).sum(-1) * S
             self._table = (index, table.to(torch.int32), head_tokens.to(torch.int32))
-        return self._table[1], self.block_size, self._table[2]
+        return self._table[1], self.page_size, self._table[2]
 
     def held_slots(self) -> torch.Tensor:
         pages = [sum(len(t) for t in row) for row in self.tables]
-        return torch.tensor(pages, device=self.pos.device) * self.block_size
+        return torch.tensor(pages, device=self.pos.device) * self.page_size
 
 
 class DenseLayer(SlotLayer):

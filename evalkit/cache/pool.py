@@ -1,4 +1,4 @@
-"""Page bookkeeping for one layer: integers only, no tensors (vLLM's BlockPool split)."""
+"""Page bookkeeping for one layer: integers only, no tensors (vLLM's PagePool split)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ class PoolExhausted(EvalkitError):
     pass
 
 
-class BlockPool:
+class PagePool:
     """Free list of `num_pages` page ids. A request takes the pages right after a given one while they are
     free (so a head's pages stay one run of ids), then the lowest free ids: runs are reproducible."""
 
-    def __init__(self, num_pages: int, block_size: int):
+    def __init__(self, num_pages: int, page_size: int):
         self.num_pages = num_pages
-        self.block_size = block_size
+        self.page_size = page_size
         self._free = list(range(num_pages))  # a heap; may still hold pages taken as a run (skipped when popped)
         self._is_free = [True] * num_pages
         self._num_free = num_pages
@@ -36,7 +36,7 @@ class BlockPool:
     def check_room(self, count: int) -> None:
         if count > self._num_free:
             raise PoolExhausted(
-                f"KV page pool exhausted: asked for {count} more pages of {self.block_size} tokens, "
+                f"KV page pool exhausted: asked for {count} more pages of {self.page_size} tokens, "
                 f"{self._num_free} of {self.num_pages} free (raise --pool-pages or lower the batch size)"
             )
 

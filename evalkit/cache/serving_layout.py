@@ -66,7 +66,7 @@ def to_serving(layer: SlotLayer, page_size: int | None = None) -> ServingCache:
     """`layer`'s live tokens in the kernel's layout, in pages of `page_size` slots (default: the layer's
     block size; a `DenseLayer` needs one). Token i of a head, by original position, goes to slot i % S of
     the head's (i // S)-th cell."""
-    S = page_size or layer.block_size
+    S = page_size or layer.page_size
     index = layer.slot_index()  # [B, H, N] fill order
     pos = layer.gather(layer.pos, index)
     live = pos >= 0

@@ -55,7 +55,7 @@ class DecodeSlots:
 
     index: torch.Tensor  # [B, H_kv, N] each head's slots in fill order, padded with the always-empty sentinel
     table: torch.Tensor  # [B, H_kv, P] int32 page ids: what the kernels read (`page_table`)
-    block_size: int
+    page_size: int
     head_tokens: torch.Tensor  # [B, H_kv] int32 table positions the kernels scan
 
 
@@ -279,11 +279,11 @@ class SlotLayer:
     def freeze(self, most: torch.Tensor) -> DecodeSlots:
         """Give each head room for `most` [B, H_kv] tokens, then fix the slots it owns: from here on a token goes
         into its head's lowest free slot (`append_static`) and an emptied slot stays its head's (`evict_static`),
-        so the slots, the block tables and every shape stay as they are for the rest of the generation."""
+        so the slots, the page tables and every shape stay as they are for the rest of the generation."""
         self._reserve((most - self.owned_slots()).clamp(min=0))
         self.packed, self.single_hole, self._trimmed, self.frozen = None, None, None, True
-        table, block_size, head_tokens = self.page_table()
-        return DecodeSlots(self.slot_index(), table, block_size, head_tokens)
+        table, page_size, head_tokens = self.page_table()
+        return DecodeSlots(self.slot_index(), table, page_size, head_tokens)
 
     def append_static(self, slots: DecodeSlots, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One new token per head (k, v [B, H_kv, 1, D], positions [B, 1]) into its lowest free slot among

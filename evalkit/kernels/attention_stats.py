@@ -22,7 +22,7 @@ STATS_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)  # see pa
 @triton.jit
 def _attention_stats_kernel(
     Q, K, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS, COUNTED, FIRST_COUNTED, LSE2, STATS,
-    scale_log2, inv_group, block_size, window, T, G, H_KV, HEAD_DIM, max_tokens,
+    scale_log2, inv_group, page_size, window, T, G, H_KV, HEAD_DIM, max_tokens,
     stride_q_b, stride_q_h, stride_q_t,
     stride_k_slot,
     stride_table_b, stride_table_h,
@@ -36,9 +36,9 @@ def _attention_stats_kernel(
     n_ok = n < tl.load(HEAD_TOKENS + bh)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    page = tl.load(TABLE + b * stride_table_b + kv * stride_table_h + n // block_size, mask=n_ok,
+    page = tl.load(TABLE + b * stride_table_b + kv * stride_table_h + n // page_size, mask=n_ok,
                    other=0).to(tl.int64)
-    slot = page * block_size + n % block_size
+    slot = page * page_size + n % page_size
     k_pos = tl.load(SLOT_POS + slot, mask=n_ok, other=-1)  # [N]
     live = k_pos >= 0
     column = tl.zeros([BLOCK_N], tl.float32)
@@ -78,7 +78,7 @@ def _attention_stats_kernel(
     tl.store(STATS + bh * max_tokens + n, column * inv_group, mask=n < max_tokens)
 
 
-def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, block_size, scale, lse,
+def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, page_size, scale, lse,
                     window=0, out=None, launch=None):
     """Each slot's probability summed over the counted queries, averaged over the group.
 
@@ -92,7 +92,7 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, bl
     G = H_q // H_kv
     assert q.stride(-1) == 1 and k_slots.stride(-1) == 1
     table = table.to(torch.int32).contiguous()
-    max_tokens = P * block_size
+    max_tokens = P * page_size
     if out is None:
         out = torch.empty(B, H_kv, max_tokens, dtype=torch.float32, device=q.device)
     launch = {**STATS_LAUNCH, **(launch or {})}
@@ -104,7 +104,7 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, bl
         q_pos.to(torch.int64).contiguous(), counted.to(torch.int8).contiguous(),
         torch.where(counted.any(1), counted.to(torch.int8).argmax(1), T).to(torch.int32), (lse * LOG2E).contiguous(),
         out,
-        scale * LOG2E, 1.0 / G, block_size, window or 0, T, G, H_kv, D, max_tokens,
+        scale * LOG2E, 1.0 / G, page_size, window or 0, T, G, H_kv, D, max_tokens,
         q.stride(0), q.stride(1), q.stride(2),
         k_slots.stride(0),
         table.stride(0), table.stride(1),
@@ -114,10 +114,10 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, bl
     return out
 
 
-def attention_stats_reference(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, block_size, scale,
+def attention_stats_reference(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, page_size, scale,
                               window=0):
     """Float64 torch twin of `attention_stats`: the full probability matrix, then its column sums."""
-    scores, _ = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size, scale, window)
+    scores, _ = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, window)
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # [B, H_kv, G, T, N]
     probs = probs * counted[:, None, None, :, None]
     return probs.sum(3).mean(2)  # [B, H_kv, N]

@@ -35,7 +35,7 @@ CHUNK_LAUNCH = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, programs
 def _paged_attention_kernel(
     Q, K, V, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS,
     OUT, LSE2, PART_ACC, PART_M, PART_L,
-    scale_log2, block_size, window, tokens_per_split, T, G, H_KV, HEAD_DIM,
+    scale_log2, page_size, window, tokens_per_split, T, G, H_KV, HEAD_DIM,
     stride_q_b, stride_q_h, stride_q_t,
     stride_k_slot, stride_v_slot,
     stride_table_b, stride_table_h,
@@ -73,8 +73,8 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
-        page = tl.load(table + n // block_size, mask=n_ok, other=0).to(tl.int64)
-        slot = page * block_size + n % block_size
+        page = tl.load(table + n // page_size, mask=n_ok, other=0).to(tl.int64)
+        slot = page * page_size + n % page_size
         k_pos = tl.load(SLOT_POS + slot, mask=n_ok, other=-1)  # [N]
         # Chunks skip blocks that are empty or in every query's future (half a fresh prompt's blocks);
         # decode reads every block, and a branch-free loop lets Triton pipeline its loads.
@@ -148,7 +148,7 @@ def _merge_splits_kernel(
     tl.store(LSE2 + (b * H_KV * G + h) * T + t, lse2)
 
 
-def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, block_size, scale,
+def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, page_size, scale,
                     window=0, num_splits=None, out=None, launch=None):
     """Attention of new queries over a paged cache.
 
@@ -167,7 +167,7 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, bl
     head_tokens = head_tokens.to(torch.int32).contiguous()
     q_pos = q_pos.to(torch.int64).contiguous()
     slot_pos = slot_pos.contiguous()
-    max_tokens = table.shape[2] * block_size
+    max_tokens = table.shape[2] * page_size
     launch = {**(DECODE_LAUNCH if T == 1 else CHUNK_LAUNCH), **(launch or {})}
     block_m = max(16, min(launch["block_m"], triton.next_power_of_2(T * G)))  # tl.dot tiles are >= 16
     block_n = 16 if INTERPRETED else launch["block_n"]
@@ -192,7 +192,7 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, bl
     _paged_attention_kernel[grid](
         q, k_slots, v_slots, slot_pos, table, head_tokens, q_pos,
         out, lse2, part_acc, part_m, part_l,
-        scale * LOG2E, block_size, window or 0, tokens_per_split, T, G, H_kv, D,
+        scale * LOG2E, page_size, window or 0, tokens_per_split, T, G, H_kv, D,
         q.stride(0), q.stride(1), q.stride(2),
         k_slots.stride(0), v_slots.stride(0),
         table.stride(0), table.stride(1),
@@ -224,14 +224,14 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size, scale, window=0):
+def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, window=0):
     """The references' shared first step, in float64: each head's slots gathered in table order, scores
     of every query against them, masked (-inf) where a query may not read a slot.
     Returns scores: [B, H_kv, G, T, N] and the gathered slot ids: [B, H_kv, N] (-1 past a head's tokens)."""
     B, H_q, T, D = q.shape
     H_kv, P = table.shape[1], table.shape[2]
-    n = torch.arange(P * block_size, device=table.device)
-    slot = table.long()[:, :, n // block_size] * block_size + n % block_size  # [B, H_kv, N]
+    n = torch.arange(P * page_size, device=table.device)
+    slot = table.long()[:, :, n // page_size] * page_size + n % page_size  # [B, H_kv, N]
     slot = slot.masked_fill(n >= head_tokens.long()[..., None], -1)
     k_pos = torch.where(slot >= 0, slot_pos[slot.clamp(min=0)], -1)
     k = k_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
@@ -243,11 +243,11 @@ def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size
     return scores.masked_fill(~allowed, float("-inf")), slot
 
 
-def paged_attention_reference(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, block_size, scale,
+def paged_attention_reference(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, page_size, scale,
                               window=0):
     """Float64 torch twin of `paged_attention`: gather each head's slots, mask, softmax."""
     B, H_q, T, D = q.shape
-    scores, slot = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, block_size, scale, window)
+    scores, slot = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, window)
     v = v_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
     lse = torch.logsumexp(scores, -1)  # [B, H_kv, G, T]
     probs = torch.exp(scores - lse.clamp(min=-1e300)[..., None]).nan_to_num(0.0)

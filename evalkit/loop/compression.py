@@ -45,7 +45,7 @@ def budgets_for(model, settings: GenerationSettings, compressed: list[list[int]]
     # A sequence at full budget is never evicted, not even while decoding.
     caps = torch.where(evicting, torch.minimum(policy.layer_caps(tokens, lengths, num_layers), lengths), NO_LIMIT)
     if policy.granularity in PAGE_GRANULARITIES:
-        caps = at_least_one_page(caps, lengths, settings.block_size)
+        caps = at_least_one_page(caps, lengths, settings.page_size)
     return Budgets(lengths, tokens, evicting, caps)
 
 
@@ -141,7 +141,7 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
                                         caps[layer_ids], recents[layer_ids]).flatten(0, 1)
         else:
             keep = policy.select(scores, positions, state.seen.repeat(len(over)), caps[layer_ids].reshape(-1),
-                                 state.settings.block_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
+                                 state.settings.page_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]
         for layer_idx, index, rows, held in zip(layer_ids, indexes, keep.split(len(state.seen)),
                                                 positions.split(len(state.seen))):
             if not pooled:  # a sequence whose heads all hold <= their cap is left alone, whatever its batch mates hold

@@ -206,7 +206,7 @@ def restrict_reads(state: LoopState, budgets: Budgets, extra: torch.Tensor) -> N
     if policy.restricts_reads:
         read_tokens = torch.where(tokens < lengths, tokens + extra, NO_LIMIT)
         state.attend_filter = lambda layer, query, keys, positions: policy.attended_slots(
-            layer, query, keys, positions, read_tokens, settings.block_size)
+            layer, query, keys, positions, read_tokens, settings.page_size)
     state.attended, state.available = torch.zeros(len(lengths)), torch.zeros(len(lengths))
 
 

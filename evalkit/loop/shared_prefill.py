@@ -64,7 +64,7 @@ class SharedPrefill:
     moments: list[QueryMoments] = field(default_factory=list)  # the queries' moments, one per skip asked for
     reconstruction_seconds: dict = field(default_factory=dict)  # reconstruction key -> seconds it took
 
-    # The prompts stored once per storage shape: (layout, block size, pool pages, tokens after the prefill)
+    # The prompts stored once per storage shape: (layout, page size, pool pages, tokens after the prefill)
     # -> (the cache, each layer's slots, {statistic key: the same storage with that statistic}).
     _stored: dict = field(default_factory=dict, repr=False)
 
@@ -106,7 +106,7 @@ class SharedPrefill:
                      positions: torch.Tensor, key: tuple | None) -> KVCache:
         """The prompts as `fork_into` stores them in a new cache of `state`'s settings, with statistic `key`."""
         settings = state.settings
-        shape = (settings.layout, settings.block_size, settings.pool_pages, tuple(after_prefill.tolist()))
+        shape = (settings.layout, settings.page_size, settings.pool_pages, tuple(after_prefill.tolist()))
         if shape not in self._stored:
             cache = new_cache(state.model, settings, valid.sum(1).cpu(), after_prefill)
             slots = [layer.append(k, v, positions, valid) for layer, (k, v, _) in zip(cache.layers, self._kvs())]

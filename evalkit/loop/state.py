@@ -25,7 +25,7 @@ class GenerationSettings:
     policy: Policy
     budget: Budget = 1.0  # `policies.budget`: a fraction of the prompt or tokens per KV head
     layout: str = "paged"
-    block_size: int = 16
+    page_size: int = 16
     prefill: str = "full"  # "full": whole prompt then compress once; "chunked": compress after every chunk
     chunk_size: int = 512
     query_aware: bool = True  # False: compress the context before the question is seen
@@ -44,6 +44,8 @@ class GenerationSettings:
         """The settings `options` has under these fields' names (a RunConfig, lm-eval's model arguments, a
         bench's settings), `overrides` on top: the one mapping from a tool's options to the loop's."""
         taken = {f.name: getattr(options, f.name) for f in fields(cls) if f.name != "policy" and hasattr(options, f.name)}
+        if hasattr(options, "block_size"):  # the options' spelling of the page size (`--block-size`)
+            taken["page_size"] = options.block_size
         return cls(policy=policy, **{**taken, **overrides})
 
 
@@ -186,7 +188,7 @@ def new_state(model, settings: GenerationSettings, lengths: torch.Tensor, caps: 
 def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_prefill: torch.Tensor) -> KVCache:
     """A cache for `peak` [B] tokens per head during the prefill and `after_prefill` [B] more after it."""
     capacity = int((peak + after_prefill + 1).max())
-    return KVCache.create(settings.layout, model.config, len(peak), capacity, settings.block_size,
+    return KVCache.create(settings.layout, model.config, len(peak), capacity, settings.page_size,
                           model.dtype, model.device, settings.pool_pages)
 
 

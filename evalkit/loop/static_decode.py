@@ -149,7 +149,7 @@ class StaticStep:
             view = SlotView(layer, slots.index, pos)
             caps = self.caps[layer_idx]
             scores = policy.score(score_input(state, view, layer_idx, caps, self.stat_end, self.span))
-            keep = policy.select(scores, view.pos, self.seen, caps, state.settings.block_size, recents[layer_idx],
+            keep = policy.select(scores, view.pos, self.seen, caps, state.settings.page_size, recents[layer_idx],
                                  span=self.span)
             within = (live.sum(-1) <= caps[:, None]).all(-1)  # [B]
             layer.evict_static(slots.index, torch.where(within[:, None, None], live, keep), stored)

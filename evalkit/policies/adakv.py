@@ -33,9 +33,9 @@ def adakv_of(wrapped: type[Policy]) -> type[Policy]:
 
         not_static = "Ada-KV reallocates each layer's budget across its heads on the host"
 
-        def select(self, scores, positions, seen, caps, block_size, recent, span=None):
+        def select(self, scores, positions, seen, caps, page_size, recent, span=None):
             if self.granularity != Granularity.HEAD:  # one token set for all heads: nothing to reallocate
-                return super().select(scores, positions, seen, caps, block_size, recent, span)
+                return super().select(scores, positions, seen, caps, page_size, recent, span)
             return select_adaptive(scores, positions, seen, caps, self.alpha_safeguard, self.sink_tokens, recent)
 
     AdaKV.__name__ = AdaKV.__qualname__ = f"Ada{wrapped.__name__}"

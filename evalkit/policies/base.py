@@ -23,7 +23,7 @@ class ScoreInput:
 
     keys: torch.Tensor | None  # [B, H_kv, N, D] post-RoPE keys; None unless the policy `reads_keys`
     positions: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty slot
-    attention: torch.Tensor  # [B, H_kv, N] accumulated attention statistic (zeros unless collected)
+    statistic: torch.Tensor  # [B, H_kv, N] what the attention function collected (`collect_*`; zeros if nothing)
     layer: int
     seed: int
     stat_end: torch.Tensor | None = None  # [B] tokens seen at the last forward that collected the statistic
@@ -124,12 +124,12 @@ class Policy:
         is sized for): the widest layer's cap, unless some heads keep more (DuoAttention's retrieval heads)."""
         return caps.amax(0)
 
-    def select(self, scores, positions, seen, caps, block_size, recent, span: int | None = None) -> torch.Tensor:
+    def select(self, scores, positions, seen, caps, page_size, recent, span: int | None = None) -> torch.Tensor:
         """[B, H_kv, N] bool: the slots to keep (the shared selection at this policy's granularity; `span`:
         a static decode step's, `keep_mask`)."""
-        return keep_mask(scores, positions, seen, caps, self.granularity, block_size, self.sink_tokens, recent, span)
+        return keep_mask(scores, positions, seen, caps, self.granularity, page_size, self.sink_tokens, recent, span)
 
-    def attended_slots(self, layer, query, keys, positions, read_tokens, block_size) -> torch.Tensor | None:
+    def attended_slots(self, layer, query, keys, positions, read_tokens, page_size) -> torch.Tensor | None:
         """For policies that restrict what a decode query reads (Quest): [B, H_kv, N] bool, else None."""
         return None
 
@@ -149,10 +149,10 @@ class Policy:
                 raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} {getattr(self, name)} is more "
                                    f"than --length {length}: it must be in [{low}, {length}]")
 
-    def check_budget(self, budget: Budget, block_size: int, length: int) -> None:
+    def check_budget(self, budget: Budget, page_size: int, length: int) -> None:
         """Refuse a budget that keeps less than one token, or less than one page at a page granularity."""
         whole_pages = self.granularity in PAGE_GRANULARITIES and self.evicts
-        check_budget(budget, length, block_size, self.granularity if whole_pages else None)
+        check_budget(budget, length, page_size, self.granularity if whole_pages else None)
 
 
 def policy_args(policy: Policy) -> dict[str, type]:

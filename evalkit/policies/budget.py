@@ -77,21 +77,21 @@ def smallest_fraction(length: int) -> float:
     return float(decimal.Context(prec=3, rounding=decimal.ROUND_CEILING).divide(1, length))
 
 
-def check_budget(budget: Budget, length: int, block_size: int, page_granularity: str | None) -> None:
+def check_budget(budget: Budget, length: int, page_size: int, page_granularity: str | None) -> None:
     """Refuse a budget that keeps nothing of a `length`-token prompt: less than one token, or, at a
     `page_granularity` (whole pages or nothing; None otherwise), less than one page."""
     if budget <= 1 and budget * length < 1 - 1e-9:
         raise EvalkitError(f"budget {budget} keeps less than one token of --length {length}: the "
                            f"smallest useful fraction is {smallest_fraction(length):g}, or give a token "
-                           f"count such as {max(2, block_size)}")
+                           f"count such as {max(2, page_size)}")
     tokens = tokens_of(budget, length)
-    if page_granularity is not None and tokens < min(block_size, length):
+    if page_granularity is not None and tokens < min(page_size, length):
         raise EvalkitError(
             f"budget {budget} keeps {tokens} tokens per head of {length}, less than one page: at granularity "
-            f"{page_granularity} the smallest budget is {block_size} tokens (block size) or "
-            f"{block_size / length:.4g} of --length {length}")
+            f"{page_granularity} the smallest budget is {page_size} tokens (block size) or "
+            f"{page_size / length:.4g} of --length {length}")
 
 
-def at_least_one_page(caps: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+def at_least_one_page(caps: torch.Tensor, lengths: torch.Tensor, page_size: int) -> torch.Tensor:
     """caps [L, B] raised to one page (or the whole prompt [B], if shorter) for whole-page selection."""
-    return torch.maximum(caps, torch.minimum(lengths, torch.tensor(block_size)))
+    return torch.maximum(caps, torch.minimum(lengths, torch.tensor(page_size)))

@@ -117,14 +117,14 @@ class DuoAttention(Policy):
         retrieval = ~self.streaming[:, inp.layer].to(inp.positions.device)  # [B, H_kv]
         return retrieval[..., None].float().expand(inp.positions.shape)
 
-    def select(self, scores, positions, seen, caps, block_size, recent, span=None) -> torch.Tensor:
+    def select(self, scores, positions, seen, caps, page_size, recent, span=None) -> torch.Tensor:
         """Every slot of a retrieval head; a streaming head's sinks and its `caps - sink_tokens` most recent
         positions (recent_tokens; while decoding plus the question appended after compression, as every cap).
         At head_page, a streaming head's pages lying wholly within those, and its newest page."""
         retrieval = (scores > 0).any(-1, keepdim=True)  # [rows, H_kv, 1]
         start = (seen - (caps - self.sink_tokens).clamp(min=0))[:, None, None]  # first recent position
         if self.granularity == Granularity.HEAD_PAGE:
-            page, S = positions.div(block_size, rounding_mode="floor"), block_size
+            page, S = positions.div(page_size, rounding_mode="floor"), page_size
             window = ((page + 1) * S <= self.sink_tokens) | (page * S >= start) | \
                      (page == (seen[:, None, None] - 1).div(S, rounding_mode="floor"))
         else:

@@ -16,7 +16,7 @@ class Full(Policy):
     evicts = False
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return torch.zeros_like(inp.attention)
+        return torch.zeros_like(inp.statistic)
 
 
 POLICIES.register("full", lambda: Full(name="full"))

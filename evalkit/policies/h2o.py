@@ -29,9 +29,9 @@ class H2O(Policy):
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         if not self.normalize:
-            return inp.attention
+            return inp.statistic
         queries = (inp.stat_end.to(inp.positions.device)[:, None, None] - inp.positions).clamp(min=1)
-        return inp.attention / queries
+        return inp.statistic / queries
 
 
 register_presets(H2O, "h2o", aliases={Granularity.TOKEN: ("h2o_block1",)})

@@ -52,7 +52,7 @@ class KVzip(Policy):
         return lengths if self.selects_across_layers else super().head_capacity(caps, lengths)
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return inp.attention
+        return inp.statistic
 
     def select_layers(self, scores, positions, seen, caps, recent) -> torch.Tensor:
         """[L, B, H_kv, N] bool: the slots kept when the budget is pooled over layers and heads."""

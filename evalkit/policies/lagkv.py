@@ -56,7 +56,7 @@ class LagKV(Policy):
         score[sink:end - lag] = (spread.argsort(-1).argsort(-1) / lag).flatten()
         return score
 
-    def select(self, scores, positions, seen, caps, block_size, recent, span=None) -> torch.Tensor:
+    def select(self, scores, positions, seen, caps, page_size, recent, span=None) -> torch.Tensor:
         """The shared selection; where it averages scores (every granularity but head: a token's over its heads, a
         page's over its pairs) it gets their integer numerators instead. LagKV's scores are fractions with one
         denominator per head (`denominators`; one per sequence at token and page granularity, whose heads hold the
@@ -66,7 +66,7 @@ class LagKV(Policy):
         they are. A wrapper that rewrites the scores (CriticalKV) selects on its own."""
         if self.granularity != Granularity.HEAD and type(self).score is LagKV.score:
             scores = (scores * self.denominators(positions)).round()
-        return super().select(scores, positions, seen, caps, block_size, recent, span)
+        return super().select(scores, positions, seen, caps, page_size, recent, span)
 
     def denominators(self, positions: torch.Tensor) -> torch.Tensor:
         """[B, H_kv, 1] each head's score denominator (`sequence_scores`): lag_size, or n - sinks (at least 1)

@@ -126,7 +126,7 @@ def keep_mask(
     seen: torch.Tensor,  # [B] tokens seen so far (positions are < seen)
     caps: torch.Tensor,  # [B] tokens to keep per head (rows of caps [L, B], `policies.budget`)
     granularity: str,
-    block_size: int = 16,
+    page_size: int = 16,
     sink_tokens: int = 0,
     recent: torch.Tensor | None = None,  # [B] most recent positions that are always kept (within the budget)
     span: int | None = None,  # static decode (`loop.static_decode`): positions < span, at most one token over the cap
@@ -152,22 +152,22 @@ def keep_mask(
         tier, secondary = keep_order(token_score, token_present, sink, protected, position[:, 0])
         keep = present & (keep_rank(tier, secondary) < caps[:, None])[:, None, :]
     elif granularity in PAGE_GRANULARITIES:
-        keep = present & _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size,
+        keep = present & _keep_pages(pos_scores, present, sink, protected, seen, caps, page_size,
                                      per_head=granularity == Granularity.HEAD_PAGE,
-                                     rounds=None if span is None else block_size + 1)
+                                     rounds=None if span is None else page_size + 1)
     else:
         raise ValueError(f"unknown granularity {granularity!r}")
     return to_slots(keep, col, live)
 
 
-def _keep_pages(pos_scores, present, sink, protected, seen, caps, block_size, per_head: bool,
+def _keep_pages(pos_scores, present, sink, protected, seen, caps, page_size, per_head: bool,
                 rounds: int | None = None) -> torch.Tensor:
-    """Whole pages of `block_size` consecutive positions: [B, 1, T] shared by all heads (`page`) or
+    """Whole pages of `page_size` consecutive positions: [B, 1, T] shared by all heads (`page`) or
     [B, H, T] per head (`head_page`). Greedy fill in the keep order: take each page whose tokens
     still fit in the budget, skip the others. `rounds`: run the fill exactly that many rounds, never asking
     the host whether a page is left (each round rules out at least one page size, so S + 1 rounds suffice)."""
     B, H, T = pos_scores.shape
-    S = block_size
+    S = page_size
     P = -(-T // S)
     pad = P * S - T
 

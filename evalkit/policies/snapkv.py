@@ -52,7 +52,7 @@ class SnapKV(Policy):
             out = pool(values, self.kernel_size, stride=1, padding=self.kernel_size // 2).view(B, H, T)
             return out.masked_fill(~prefix, 0.0) / self.observation_window
 
-        return in_position_space(pooled, inp.attention, inp.positions, inp.span)
+        return in_position_space(pooled, inp.statistic, inp.positions, inp.span)
 
 
 register_presets(SnapKV, "snapkv")

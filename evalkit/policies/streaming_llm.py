@@ -18,7 +18,7 @@ class StreamingLLM(Policy):
     kvpress = "StreamingLLMPress"
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return torch.zeros_like(inp.attention)
+        return torch.zeros_like(inp.statistic)
 
 
 POLICIES.register("streaming_llm", lambda: StreamingLLM(name="streaming_llm"))

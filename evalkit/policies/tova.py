@@ -33,7 +33,7 @@ class TOVA(Policy):
     recent_tokens: int = arg(1, 0, PROMPT)  # the newest token (kvpress pads its score with max + 1)
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
-        return inp.attention
+        return inp.statistic
 
 
 register_presets(TOVA, "tova", default=Granularity.TOKEN)
