@@ -36,7 +36,7 @@ class ForwardPlan:
     positions: torch.Tensor  # [B, T] original positions of the new tokens
     valid: torch.Tensor  # [B, T] False = padding: not stored, not counted in statistics
     collect: str | None = None  # statistic the policy needs: None, "attention" or "window"
-    window: int = 0  # queries behind a "window" statistic
+    observation_window: int = 0  # queries behind a "window" statistic
     # Decode-time restriction of what a query reads (Quest): (layer, query [B, H_q, D], keys, positions) -> mask.
     attend_filter: Callable | None = None
     attended: torch.Tensor | None = None  # [B] slots read, summed over layers (when filtered)
@@ -62,7 +62,7 @@ class PromptRecord:
     """What a prompt's forward leaves behind when it is shared by many branches (`shared_prefill.SharedPrefill`):
     per layer the K/V the storage would have appended and every statistic in `statistics`."""
 
-    statistics: list[tuple[str, int]]  # (collect, window) pairs, e.g. ("attention", 0), ("window", 32)
+    statistics: list[tuple[str, int]]  # (collect, observation window) pairs, e.g. ("attention", 0), ("window", 32)
     layers: dict[int, tuple[torch.Tensor, torch.Tensor, dict]] = field(default_factory=dict)
 
 
@@ -115,7 +115,7 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
         plan.attended += read.sum((1, 2)).cpu()
         plan.available += (view.pos >= 0).sum((1, 2)).cpu()
     out, stats = attention_reference(query, plan.positions, plan.valid, view.k, view.v, k_pos,
-                                     scaling, sliding_window, plan.collect, plan.window)
+                                     scaling, sliding_window, plan.collect, plan.observation_window)
     if plan.collect is not None:
         store_statistic(layer, view.index, plan.collect, stats, plan.valid)
     return out, None
@@ -135,7 +135,7 @@ def _joint_attention(module, query, key, value, joint: JointForwardPlan, scaling
 def _prompt_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
     """A layer that holds nothing yet: the prompt attends to itself from the forward's own K/V (on every
     device: SDPA, then the statistic in a second pass), and is then stored."""
-    wanted = [statistic_queries(plan.collect, plan.window, plan.positions, plan.valid)] if plan.collect else []
+    wanted = [statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid)] if plan.collect else []
     out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted,
                                   plan.kernels)
     slots = layer.append(key, value, plan.positions, plan.valid)
@@ -158,7 +158,8 @@ def _reconstruction_attention(layer, query, key, value, plan: ForwardPlan, scali
 def _recorded_prompt_attention(layer_idx, query, key, value, plan: ForwardPlan, scaling, sliding_window):
     """A shared prefill: the same computation as `_prompt_attention`, every statistic asked for, kept in the record."""
     record = plan.record
-    wanted = [statistic_queries(collect, window, plan.positions, plan.valid) for collect, window in record.statistics]
+    wanted = [statistic_queries(collect, observation_window, plan.positions, plan.valid)
+              for collect, observation_window in record.statistics]
     out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted,
                                   plan.kernels)
     record.layers[layer_idx] = (key, value, dict(zip(record.statistics, stats)))
@@ -181,13 +182,13 @@ def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
 
     layer.append(key, value, plan.positions, plan.valid)
     table, page_size, head_tokens = layer.page_table()
-    window = sliding_window or 0
+    sliding_window = sliding_window or 0
     out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, table, head_tokens,
-                               page_size, scaling, window)
+                               page_size, scaling, sliding_window)
     if plan.collect:
-        counted = statistic_queries(plan.collect, plan.window, plan.positions, plan.valid)
+        counted = statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid)
         stats = attention_stats(query, plan.positions, counted, layer.k, layer.pos, table, head_tokens,
-                                page_size, scaling, lse, window)
+                                page_size, scaling, lse, sliding_window)
         store_statistic(layer, layer.slot_index(), plan.collect, stats, plan.valid)
     return out
 
@@ -200,12 +201,12 @@ def _static_decode_attention(layer, slots, query, key, value, plan: ForwardPlan,
         from evalkit.kernels.attention_stats import attention_stats
         from evalkit.kernels.paged_attention import paged_attention
 
-        window = sliding_window or 0
+        sliding_window = sliding_window or 0
         out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, slots.table, slots.head_tokens,
-                                   slots.page_size, scaling, window)
+                                   slots.page_size, scaling, sliding_window)
         if plan.collect:
             stats = attention_stats(query, plan.positions, plan.valid, layer.k, layer.pos, slots.table,
-                                    slots.head_tokens, slots.page_size, scaling, lse, window)
+                                    slots.head_tokens, slots.page_size, scaling, lse, sliding_window)
             _store_static_statistic(layer, slots.index, plan.collect, stats)
         return out
     B, H_q, _, D = query.shape

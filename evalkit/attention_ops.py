@@ -22,14 +22,14 @@ _STATISTICS_TILE = (128, 512)  # (queries, keys) of a causal statistics tile: 0.
 _LOG2_E = 1.4426950408889634
 
 
-def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, window=0,
+def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=None, collect=None, observation_window=0,
                         keys_in_order=False):
     """Attention of new queries over kept slots, in torch; the CPU path and the kernels' reference.
 
     q: [B, H_q, T, D], q_pos/q_valid: [B, T]; k, v: [B, H_kv, N, D], k_pos: [B, H_kv, N] (-1 = empty), or
     None where every query sees every slot (one new token over a packed cache: `SlotView.all_live`).
     Returns out: [B, T, H_q, D] and, when `collect` is set, stats: [B, H_kv, N] float32 = each slot's
-    probability summed over the valid queries ("attention") or over the last `window` valid queries of
+    probability summed over the valid queries ("attention") or over the last `observation_window` valid queries of
     each row ("window"), averaged over the G = H_q / H_kv query heads.
     Queries are processed in blocks so memory stays O(T_block * N), never T * N for long prompts; with
     `keys_in_order` (slot i holds the i-th new token) a block reads only the keys its queries may see
@@ -41,7 +41,7 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     # Slot i is the i-th new token only for a prompt's own K/V, whose statistic `attention_statistics` computes.
     assert not keys_in_order or (k_pos is not None and N == T and collect is None), "keys_in_order: a prompt's K/V"
     if collect == "window":  # only the window's queries need probabilities: the rest takes a fast path
-        counted = window_queries(q_pos, q_valid, window)
+        counted = window_queries(q_pos, q_valid, observation_window)
         first = int(counted.any(0).nonzero()[0]) if bool(counted.any()) else T
         out, _ = attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
         _, stats = attention_reference(q[:, :, first:], q_pos[:, first:], counted[:, first:], k, v, k_pos,
@@ -119,15 +119,15 @@ def visible(qp, kp, sliding_window):
     return allowed
 
 
-def window_queries(q_pos, q_valid, window):
-    """[B, T] bool: the valid queries among each row's last `window` positions."""
+def window_queries(q_pos, q_valid, observation_window):
+    """[B, T] bool: the valid queries among each row's last `observation_window` positions."""
     last = q_pos.masked_fill(~q_valid, -1).amax(1, keepdim=True)  # [B, 1]
-    return q_valid & (q_pos > last - window)
+    return q_valid & (q_pos > last - observation_window)
 
 
-def statistic_queries(collect: str, window: int, q_pos, q_valid) -> torch.Tensor:
+def statistic_queries(collect: str, observation_window: int, q_pos, q_valid) -> torch.Tensor:
     """[B, T] bool: the queries whose probabilities make up statistic `collect`."""
-    return q_valid if collect == "attention" else window_queries(q_pos, q_valid, window)
+    return q_valid if collect == "attention" else window_queries(q_pos, q_valid, observation_window)
 
 
 def prompt_attention(q, q_pos, q_valid, k, v, scaling, sliding_window=None, counted=(), kernels="auto"):

@@ -13,7 +13,7 @@ from evalkit.assets import DEFAULT_MODEL
 from evalkit.cache import LAYOUTS
 from evalkit.errors import EvalkitError
 from evalkit.kernels import KERNEL_MODES
-from evalkit.models import check_device, model_config, window
+from evalkit.models import check_device, max_positions_of, model_config
 from evalkit.loop import GenerationSettings
 from evalkit.loop.state import SLIDING_LAYERS
 from evalkit.policies import POLICIES, Budget, make_policy, parse_budget
@@ -148,7 +148,7 @@ class RunConfig:
     def _check_budget(self) -> None:
         policy = self.make_policy()  # the granularity and policy args checked here
         refuse_contradiction(self.policy, self.granularity)
-        policy.check_fits(self.length, window(self.model))
+        policy.check_fits(self.length, max_positions_of(self.model))
         policy.check_budget(self.budget, self.block_size, self.length)
 
     def make_policy(self):
@@ -164,7 +164,7 @@ class RunConfig:
         task.check_length(self.length)
         longest = task.longest(self.length) if isinstance(task, SizedBySettings) else self.length
         lower = "the task's lengths" if "lengths" in self.task_args else "--length"
-        limit = window(self.model)
+        limit = max_positions_of(self.model)
         if limit and longest > limit:
             raise EvalkitError(f"a sample of {longest} positions (prompt + answer) does not fit, "
                                f"{self.model} has {limit}: lower {lower}")
@@ -181,7 +181,7 @@ class RunConfig:
 
     def _resolve_data(self) -> None:
         task = DataTask(self.task, self.data_format, self.metric, self.limit, self.offset, self.task_args)
-        limit = window(self.model)  # a giant record is refused here, before any model loads or tokenises it
+        limit = max_positions_of(self.model)  # a giant record is refused here, before any model loads or tokenises it
         task.check_sizes(*((self.length,) if not limit or self.length <= limit else
                            (limit, f"{self.model}'s window of {limit}")))
         self.task, self.data_format, self.metric = task.name, task.data_format, task.metric

@@ -71,7 +71,7 @@ def model_config(name: str):
         raise EvalkitError(f"cannot load model {name!r}: {_first_line(error)}") from None
 
 
-def window(name: str) -> int | None:
+def max_positions_of(name: str) -> int | None:
     """Positions the model can attend over (None when its config does not say)."""
     return getattr(model_config(name), "max_position_embeddings", None)
 

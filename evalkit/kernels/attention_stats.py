@@ -2,7 +2,7 @@
 
 For each slot of each (sequence, KV head): the softmax probability it received, summed over the
 counted queries and averaged over the G query heads of the group — H2O's column sums when every
-query is counted, SnapKV's / TOVA's window scores when only the last w are. The softmax needs each
+query is counted, SnapKV's / TOVA's sliding_window scores when only the last w are. The softmax needs each
 query's log-sum-exp over all its keys first; `paged_attention` returns it, so this is the second of
 two passes: one program per block of keys recomputes the scores of every query against those keys
 and adds up the probabilities. Memory is O(n): no score matrix is ever stored.
@@ -22,7 +22,7 @@ STATS_LAUNCH = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)  # see pa
 @triton.jit
 def _attention_stats_kernel(
     Q, K, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS, COUNTED, FIRST_COUNTED, LSE2, STATS,
-    scale_log2, inv_group, page_size, window, T, G, H_KV, HEAD_DIM, max_tokens,
+    scale_log2, inv_group, page_size, sliding_window, T, G, H_KV, HEAD_DIM, max_tokens,
     stride_q_b, stride_q_h, stride_q_t,
     stride_k_slot,
     stride_table_b, stride_table_h,
@@ -72,14 +72,14 @@ def _attention_stats_kernel(
             lse2 = tl.load(LSE2 + (b * H_KV * G + h) * T + t, mask=counted, other=float("inf"))
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
             allowed = counted[:, None] & live[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if window > 0:
-                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            if sliding_window > 0:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
             column += tl.sum(tl.where(allowed, tl.exp2(s - lse2[:, None]), 0.0), 0)
     tl.store(STATS + bh * max_tokens + n, column * inv_group, mask=n < max_tokens)
 
 
 def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, page_size, scale, lse,
-                    window=0, out=None, launch=None):
+                    sliding_window=0, out=None, launch=None):
     """Each slot's probability summed over the counted queries, averaged over the group.
 
     q: [B, H_q, T, D]; q_pos: [B, T] int64, non-decreasing along T; counted: [B, T] bool (queries that
@@ -104,7 +104,7 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, pa
         q_pos.to(torch.int64).contiguous(), counted.to(torch.int8).contiguous(),
         torch.where(counted.any(1), counted.to(torch.int8).argmax(1), T).to(torch.int32), (lse * LOG2E).contiguous(),
         out,
-        scale * LOG2E, 1.0 / G, page_size, window or 0, T, G, H_kv, D, max_tokens,
+        scale * LOG2E, 1.0 / G, page_size, sliding_window or 0, T, G, H_kv, D, max_tokens,
         q.stride(0), q.stride(1), q.stride(2),
         k_slots.stride(0),
         table.stride(0), table.stride(1),
@@ -115,9 +115,9 @@ def attention_stats(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, pa
 
 
 def attention_stats_reference(q, q_pos, counted, k_slots, slot_pos, table, head_tokens, page_size, scale,
-                              window=0):
+                              sliding_window=0):
     """Float64 torch twin of `attention_stats`: the full probability matrix, then its column sums."""
-    scores, _ = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, window)
+    scores, _ = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, sliding_window)
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # [B, H_kv, G, T, N]
     probs = probs * counted[:, None, None, :, None]
     return probs.sum(3).mean(2)  # [B, H_kv, N]

@@ -4,7 +4,7 @@ Storage (evalkit/cache/storage.py): K and V are flat slot arrays `[slots, D]`; a
 consecutive slots; head (b, h) owns the pages `table[b, h, :]` in fill order, its first
 `head_tokens[b, h]` table positions are scanned, and `slot_pos[slot]` holds the token's original
 position (-1 = empty slot: a hole left by eviction, or padding). A query at position p reads the
-slots with 0 <= pos <= p (and pos > p - window under a sliding window). Heads of one sequence may
+slots with 0 <= pos <= p (and pos > p - sliding_window under a sliding sliding_window). Heads of one sequence may
 hold different numbers of tokens.
 
 One kernel serves both uses:
@@ -35,7 +35,7 @@ CHUNK_LAUNCH = dict(block_m=128, block_n=64, num_warps=4, num_stages=2, programs
 def _paged_attention_kernel(
     Q, K, V, SLOT_POS, TABLE, HEAD_TOKENS, Q_POS,
     OUT, LSE2, PART_ACC, PART_M, PART_L,
-    scale_log2, page_size, window, tokens_per_split, T, G, H_KV, HEAD_DIM,
+    scale_log2, page_size, sliding_window, tokens_per_split, T, G, H_KV, HEAD_DIM,
     stride_q_b, stride_q_h, stride_q_t,
     stride_k_slot, stride_v_slot,
     stride_table_b, stride_table_h,
@@ -88,8 +88,8 @@ def _paged_attention_kernel(
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
             allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
-            if window > 0:
-                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            if sliding_window > 0:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing readable yet
@@ -149,7 +149,7 @@ def _merge_splits_kernel(
 
 
 def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, page_size, scale,
-                    window=0, num_splits=None, out=None, launch=None):
+                    sliding_window=0, num_splits=None, out=None, launch=None):
     """Attention of new queries over a paged cache.
 
     q: [B, H_q, T, D] (any strides, last dim contiguous); q_pos: [B, T] int64;
@@ -192,7 +192,7 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, pa
     _paged_attention_kernel[grid](
         q, k_slots, v_slots, slot_pos, table, head_tokens, q_pos,
         out, lse2, part_acc, part_m, part_l,
-        scale * LOG2E, page_size, window or 0, tokens_per_split, T, G, H_kv, D,
+        scale * LOG2E, page_size, sliding_window or 0, tokens_per_split, T, G, H_kv, D,
         q.stride(0), q.stride(1), q.stride(2),
         k_slots.stride(0), v_slots.stride(0),
         table.stride(0), table.stride(1),
@@ -224,7 +224,7 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, window=0):
+def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, sliding_window=0):
     """The references' shared first step, in float64: each head's slots gathered in table order, scores
     of every query against them, masked (-inf) where a query may not read a slot.
     Returns scores: [B, H_kv, G, T, N] and the gathered slot ids: [B, H_kv, N] (-1 past a head's tokens)."""
@@ -238,16 +238,16 @@ def reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size,
     scores = torch.einsum("bkgtd,bknd->bkgtn", q.double().reshape(B, H_kv, H_q // H_kv, T, D), k) * scale
     kp, qp = k_pos[:, :, None, None, :], q_pos[:, None, None, :, None]
     allowed = (kp >= 0) & (kp <= qp)
-    if window:
-        allowed &= kp > qp - window
+    if sliding_window:
+        allowed &= kp > qp - sliding_window
     return scores.masked_fill(~allowed, float("-inf")), slot
 
 
 def paged_attention_reference(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, page_size, scale,
-                              window=0):
+                              sliding_window=0):
     """Float64 torch twin of `paged_attention`: gather each head's slots, mask, softmax."""
     B, H_q, T, D = q.shape
-    scores, slot = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, window)
+    scores, slot = reference_scores(q, q_pos, k_slots, slot_pos, table, head_tokens, page_size, scale, sliding_window)
     v = v_slots[slot.clamp(min=0)].double()  # [B, H_kv, N, D]
     lse = torch.logsumexp(scores, -1)  # [B, H_kv, G, T]
     probs = torch.exp(scores - lse.clamp(min=-1e300)[..., None]).nan_to_num(0.0)

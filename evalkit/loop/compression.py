@@ -58,7 +58,7 @@ def compress(state: LoopState, caps: torch.Tensor) -> None:
 
 def slide(state: LoopState) -> None:
     """Drop what no later query of a sliding-window layer can see, nothing else (`compress` does it too)."""
-    if state.windows:
+    if state.sliding_windows:
         _evict(state, torch.full((len(state.cache.layers), len(state.seen)), NO_LIMIT))
 
 
@@ -72,23 +72,23 @@ def sliding_caps(state: LoopState, caps: torch.Tensor) -> torch.Tensor:
     """caps [L, B] in force: a sliding layer of window W keeps at most W - 1 tokens per head, the most its next
     query can see: `sliding_layers` "budget" (the default) caps it at min(its budget, W - 1), "window" at W - 1
     whatever the budget (which then evicts in global layers only)."""
-    if not state.windows:
+    if not state.sliding_windows:
         return caps
     window_only = state.settings.sliding_layers == "window"
     caps = caps.clone()
-    for layer, window in enumerate(state.windows):
-        if window is not None:
-            caps[layer] = window - 1 if window_only else caps[layer].clamp(max=window - 1)
+    for layer, sliding_window in enumerate(state.sliding_windows):
+        if sliding_window is not None:
+            caps[layer] = sliding_window - 1 if window_only else caps[layer].clamp(max=sliding_window - 1)
     return caps
 
 
 def in_window(state: LoopState, view: SlotView, layer_idx: int) -> SlotView:
     """`view` of layer `layer_idx` with the tokens no later query can see shown as empty slots (position -1):
     in a sliding layer of window W the positions <= seen - W. The view itself where there are none."""
-    window = state.windows[layer_idx] if state.windows else None
-    if window is None:
+    sliding_window = state.sliding_windows[layer_idx] if state.sliding_windows else None
+    if sliding_window is None:
         return view
-    stale = (view.pos >= 0) & (view.pos <= (state.seen.to(view.pos.device) - window)[:, None, None])
+    stale = (view.pos >= 0) & (view.pos <= (state.seen.to(view.pos.device) - sliding_window)[:, None, None])
     if not bool(stale.any()):
         return view
     return SlotView(view.layer, view.index, view.pos.masked_fill(stale, -1))

@@ -125,7 +125,7 @@ class Decoding:
         self.logits = logits
         if self.evict:
             compress(self.state, self.caps)
-        elif self.state.windows:
+        elif self.state.sliding_windows:
             compress(self.state, torch.full_like(self.caps, NO_LIMIT))
 
     def generations(self, decode_seconds: float) -> list[Generation]:

@@ -103,7 +103,7 @@ class LoopState:
     collect_moments: bool = False  # add this phase's queries to `moments`
     reconstruction: ReconstructionPrompts | None = None  # for a policy that `reconstructs` (KVzip)
     reconstruction_seconds: float = 0.0  # spent reconstructing (part of the prefill's seconds)
-    windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None (global); [] = none
+    sliding_windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None (global); [] = none
 
 
 def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +182,7 @@ def new_state(model, settings: GenerationSettings, lengths: torch.Tensor, caps: 
         raise ValueError(f"unknown sliding_layers {settings.sliding_layers!r}; choose from {', '.join(SLIDING_LAYERS)}")
     windows = sliding_windows(model.config)
     return LoopState(model, cache, settings.policy, settings, start, start.clone(), observe,
-                     windows=windows if any(windows) else [])
+                     sliding_windows=windows if any(windows) else [])
 
 
 def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_prefill: torch.Tensor) -> KVCache:
@@ -195,9 +195,9 @@ def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_pre
 def full_cache_bytes(state: LoopState, tokens: torch.Tensor) -> torch.Tensor:
     """[B] KV bytes a full cache holds after `tokens` [B] tokens per sequence: all of them in a global layer, the
     last W - 1 in a sliding layer of window W (what transformers' own cache keeps), every KV head."""
-    windows = state.windows or [None] * len(state.cache.layers)
+    sliding_windows = state.sliding_windows or [None] * len(state.cache.layers)
     return sum(tokens.clamp(max=NO_LIMIT if window is None else window - 1) * layer.token_bytes * layer.kv_heads
-               for layer, window in zip(state.cache.layers, windows))
+               for layer, window in zip(state.cache.layers, sliding_windows))
 
 
 def split_prompts(requests, query_aware: bool) -> tuple[list[list[int]], list[list[int]]]:

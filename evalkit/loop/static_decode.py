@@ -57,14 +57,14 @@ def decode_slots_needed(state: LoopState, caps: torch.Tensor, evict: bool, max_n
     adds where it is evicted, else what it holds now plus every token still to come; in a sliding layer of
     window W never more than W (its W - 1 and the new token)."""
     grown = []
-    for layer, cap, window in zip(state.cache.layers, caps, state.windows or [None] * len(caps)):
+    for layer, cap, sliding_window in zip(state.cache.layers, caps, state.sliding_windows or [None] * len(caps)):
         live = layer.live_counts()
         ceiling = live + max_new
         if evict:
             ceiling = torch.where(cap[:, None] < NO_LIMIT, torch.minimum(ceiling, torch.maximum(live, cap[:, None]) + 1),
                                   ceiling)
-        if window is not None:
-            ceiling = ceiling.clamp(max=window)
+        if sliding_window is not None:
+            ceiling = ceiling.clamp(max=sliding_window)
         grown.append(ceiling)
     return grown
 
@@ -78,8 +78,8 @@ class StaticStep:
         B = len(state.seen)
         self.state, self.evict, self.capture = state, evict, capture
         # Sliding-window layers drop what their window lost at every step, evicting or not.
-        self.windows = state.windows or [None] * len(state.cache.layers)
-        self.drops = evict or bool(state.windows)
+        self.sliding_windows = state.sliding_windows or [None] * len(state.cache.layers)
+        self.drops = evict or bool(state.sliding_windows)
         needed = decode_slots_needed(state, caps, evict, max_new)
         if not all(layer.room_for(most) for layer, most in zip(state.cache.layers, needed)):
             raise PoolExhausted("the KV page pool cannot hold every head's decode at once (the static step reserves "
@@ -137,13 +137,15 @@ class StaticStep:
         state, policy = self.state, self.state.policy
         unscored = self.seen - self.stat_end if policy.needs_statistic else torch.zeros_like(self.seen)
         recents = torch.minimum(policy.recent_count(self.caps) + unscored, self.caps)  # [L, B]
-        for layer_idx, (layer, slots, window) in enumerate(zip(state.cache.layers, self.slots, self.windows)):
+        layers = zip(state.cache.layers, self.slots, self.sliding_windows)
+        for layer_idx, (layer, slots, sliding_window) in enumerate(layers):
             stored = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
             # A sliding layer's stale tokens as empty slots: fixed shapes, nothing read back.
-            pos = stored if window is None else stored.masked_fill(stored <= (self.seen - window)[:, None, None], -1)
+            pos = stored if sliding_window is None else \
+                stored.masked_fill(stored <= (self.seen - sliding_window)[:, None, None], -1)
             live = pos >= 0
             if not self.evict:  # only what the window lost
-                if window is not None:
+                if sliding_window is not None:
                     layer.evict_static(slots.index, live, stored)
                 continue
             view = SlotView(layer, slots.index, pos)
