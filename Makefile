@@ -33,11 +33,12 @@ run: setup
 test: setup browser
 	$(OFFLINE) $(VENV)/bin/pytest -q
 
-# The fast tier (71 s on an idle 2-core machine): the tests that need none of the default model's files (not
-# even its tokenizer) and take under 2 s each, and one in four of the oracle's cases; tests/conftest.py marks the
-# others `model` (Chromium's among them). Two pytest-xdist workers, one torch thread each.
+# The fast tier (71 s on an idle 2-core machine): the tests marked neither `model` (they need the default model's
+# files, even only its tokenizer) nor `slow` (2 s or more each, Chromium's among them, and three in four of the
+# oracle's cases). Each test carries its marker and the reason; tests/conftest.py ("Two tiers") says how.
+# Two pytest-xdist workers, one torch thread each.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/pytest -q -n 2 -m "not model"
+	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/pytest -q -n 2 -m "not model and not slow"
 
 bench: setup
 	$(OFFLINE) $(VENV)/bin/evalkit bench

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conftest import needs_model_files
 from evalkit.bench.checks import parse_length
 from evalkit.bench.components import (HeadShape, decode_attention_point, fit_power, prefill_statistics_point,
                                       selection_point, summarise)
@@ -24,6 +25,7 @@ SHAPE = HeadShape(query_heads=6, kv_heads=2, head_dim=16, dtype="float32", devic
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer random Llama saved with the default model's tokenizer (bench prompts are real text)."""
     from conftest import save_tiny_model
@@ -45,6 +47,7 @@ def bench_run(tiny_model_dir, tmp_path_factory):
     return out_dir, json.loads((out_dir / "bench.json").read_text()), out
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_json_has_every_cell_and_the_baselines(bench_run):
     _, result, _ = bench_run
     assert result["complete"]
@@ -58,6 +61,7 @@ def test_json_has_every_cell_and_the_baselines(bench_run):
     assert len(result["cells"]) == len(expected)
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_numbers_are_sane(bench_run):
     _, result, _ = bench_run
     for cell in result["cells"]:
@@ -88,6 +92,7 @@ def test_numbers_are_sane(bench_run):
             assert set(cell["vs_full"]) == {"tokens_per_s", "decode_step", "prefill_seconds", "peak_rss", "working"}
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_full_cache_loop_reproduces_hf_generate(bench_run):
     _, result, _ = bench_run
     by_key = {c["key"]: c for c in result["cells"]}
@@ -95,6 +100,7 @@ def test_full_cache_loop_reproduces_hf_generate(bench_run):
         assert by_key[f"evalkit/full/1.0/paged/{length}"]["token_ids"] == by_key[f"hf/hf/1.0/hf/{length}"]["token_ids"]
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_targets_cover_the_grid(bench_run):
     _, result, out = bench_run
     names = {(t["target"], t["cell"]) for t in result["targets"]}
@@ -109,6 +115,7 @@ def test_targets_cover_the_grid(bench_run):
     assert "targets (same run)" in out and "HF generate" in out
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_plots_are_written(bench_run):
     from matplotlib.image import imread
 
@@ -119,6 +126,7 @@ def test_plots_are_written(bench_run):
         assert image[..., :3].std() > 0.01  # something drawn, not a blank canvas
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_components_have_every_point_and_fit(bench_run):
     _, result, _ = bench_run
     components = result["components"]
@@ -136,6 +144,7 @@ def test_components_have_every_point_and_fit(bench_run):
     assert {p["n"] for p in decode["points"] if p["kept"] == decode["fits"]["fixed_kept"]} == set(LENGTHS)
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_rerun_measures_only_what_is_missing(bench_run, tiny_model_dir):
     out_dir, result, _ = bench_run
     code, _, err = run_cli(*bench_args(tiny_model_dir, out_dir))
@@ -146,6 +155,7 @@ def test_rerun_measures_only_what_is_missing(bench_run, tiny_model_dir):
     assert again["components"]["prefill_statistics"] == result["components"]["prefill_statistics"]
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_results_of_other_settings_are_not_mixed_in(bench_run, tiny_model_dir):
     out_dir, _, _ = bench_run
     before = (out_dir / "bench.json").read_text()
@@ -155,6 +165,7 @@ def test_results_of_other_settings_are_not_mixed_in(bench_run, tiny_model_dir):
     assert (out_dir / "bench.json").read_text() == before
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 @pytest.mark.parametrize("args, message", [
     (["--policies", "h2o_haed"], "unknown policy 'h2o_haed' (did you mean 'h2o_head'?)"),
     (["--policies", "h2o_head,,snapkv"], "without empty items"),
@@ -298,6 +309,7 @@ def _peaks_around_a_freed_block(mib: int) -> tuple[int, int]:
     return with_block, memory.read()["working_bytes"]
 
 
+@pytest.mark.slow  # a second Python that imports torch
 def test_peak_memory_sees_a_freed_block_and_resets():
     with Isolated() as isolated:  # PeakMemory changes how its process allocates: not in pytest's
         with_block, idle = isolated.run(1, _peaks_around_a_freed_block, 64)
@@ -305,12 +317,14 @@ def test_peak_memory_sees_a_freed_block_and_resets():
     assert idle < 4 * 2**20
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusing CUDA needs a machine without it")
 def test_cuda_without_cuda_is_refused(tiny_model_dir, tmp_path):
     code, _, err = run_cli("bench", "--model", str(tiny_model_dir), "--device", "cuda", "--out", str(tmp_path / "b"))
     assert code == 2 and "CUDA is not available" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_granularities_are_cells_of_their_own_with_eviction_timed(tiny_model_dir, tmp_path):
     code, out, err = run_cli("bench", "--model", str(tiny_model_dir), "--lengths", "72", "--new-tokens", "4",
                              "--repeats", "1", "--policies", "h2o_head", "--budgets", "32",
@@ -329,6 +343,7 @@ def test_granularities_are_cells_of_their_own_with_eviction_timed(tiny_model_dir
     assert rows["head_page"]["label"] == "h2o_head[head_page] @ 32"
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_an_unsupported_granularity_is_refused(tiny_model_dir, tmp_path):
     code, _, err = run_cli("bench", "--model", str(tiny_model_dir), "--policies", "quest",
                            "--granularities", "head_page", "--out", str(tmp_path / "b"))

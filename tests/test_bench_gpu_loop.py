@@ -52,6 +52,7 @@ def rows_by_key(document) -> dict:
     return {(row["label"], row["batch"]): row for row in document["rows"]}
 
 
+@pytest.mark.slow  # scripts/bench_gpu_loop.py --tiny: ten rows, each its own process, and the batch fit
 def test_every_row_is_there_with_finite_positive_numbers(tiny_run):
     document, out = tiny_run
     assert document["complete"] and document["plan"]["tiny"]
@@ -68,6 +69,7 @@ def test_every_row_is_there_with_finite_positive_numbers(tiny_run):
         assert label in out
 
 
+@pytest.mark.slow  # scripts/bench_gpu_loop.py --tiny: ten rows, each its own process, and the batch fit
 def test_full_cache_generates_what_hf_generate_generates(tiny_run):
     """Greedy on the same random weights: the equivalence that makes the speed comparison fair."""
     rows = rows_by_key(tiny_run[0])
@@ -77,6 +79,7 @@ def test_full_cache_generates_what_hf_generate_generates(tiny_run):
         assert full["token_ids"] == hf["token_ids"] and full["vs_hf"]["same_tokens"]
 
 
+@pytest.mark.slow  # scripts/bench_gpu_loop.py --tiny: ten rows, each its own process, and the batch fit
 def test_kv_held_at_the_budget_is_below_the_full_cache(tiny_run, script):
     document = tiny_run[0]
     rows = rows_by_key(document)
@@ -91,6 +94,7 @@ def test_kv_held_at_the_budget_is_below_the_full_cache(tiny_run, script):
             assert 0 < held < full / 2, (label, batch)  # 0.2 of the prompt, in pages
 
 
+@pytest.mark.slow  # scripts/bench_gpu_loop.py --tiny: ten rows, each its own process, and the batch fit
 def test_the_batch_fit_is_what_the_built_cache_held(tiny_run):
     document = tiny_run[0]
     plan = document["plan"]
@@ -116,6 +120,7 @@ def test_the_batch_fit_is_what_the_built_cache_held(tiny_run):
     assert "exhausted" in full["check"]["one_more"]["error"]
 
 
+@pytest.mark.slow  # scripts/bench_gpu_loop.py --tiny: ten rows, each its own process, and the batch fit
 def test_targets_are_printed_met_or_not(tiny_run):
     document, out = tiny_run
     names = {t["target"].split(" at ")[0].split(" in ")[0] for t in document["targets"]}

@@ -7,12 +7,16 @@ import math
 
 import pytest
 
+from conftest import needs_model_files
 from helpers import run_cli
+
+pytestmark = pytest.mark.model  # every test benches tiny_model_dir: the default model's tokenizer
 
 LENGTH = 320  # the sweep's niah_single_2 prompts need room for a needle and the question
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_model_dir(tmp_path_factory):
     from conftest import save_tiny_model
 

@@ -603,6 +603,7 @@ operations = st.lists(st.one_of(op.map(lambda o: [o]), decode_step), min_size=1,
     lambda steps: [o for step in steps for o in step])
 
 
+@pytest.mark.slow  # 400 Hypothesis examples
 @settings(max_examples=400, deadline=None)
 @given(B=st.integers(1, 3), H=st.integers(1, 3), S=st.sampled_from([1, 2, 4]), extra_pages=st.integers(0, 12),
        ops=operations)

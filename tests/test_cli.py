@@ -27,15 +27,17 @@ SHORT = ["--length", "600", "--samples", "3"]
     (["--block-size", "0"], "block-size must be >= 1"),
     (["--samples", "none"], "Invalid value for '--samples'"),
     (["--model", "./no/such/model"], "model path './no/such/model' does not exist"),
-    (["--length", "9000"], "has 8192"),  # the default model's positions
-    (["--length", "300", "--pool-pages", "4"], "KV page pool exhausted: asked for"),
+    pytest.param(["--length", "9000"], "has 8192", marks=pytest.mark.model),  # the default model's positions
+    pytest.param(["--length", "300", "--pool-pages", "4"], "KV page pool exhausted: asked for",
+                 marks=pytest.mark.model),  # the pool's pages sized from the default model's shape (config.json)
     (["--task-arg", "depths"], "task-arg must be KEY=VALUE, got 'depths'"),
     (["--kernels", "cuda"], "unknown kernels 'cuda'; choose from auto, triton, torch"),
     (["--task-arg", "depths=0,50"], "task ruler:niah_single_2 takes no --task-arg settings, got depths"),
     (["--task", "multiturn_niah", "--task-arg", "turns=0"], "turns must be a whole number from 1 to 64, got '0'"),
     (["--task", "multiturn_kv", "--task-arg", "turns=20", "--length", "900"],
      "--length 900 leaves no room for a prompt: 20 turns take 960 new tokens (48 each)"),
-    (["--task", "multiturn_niah", "--length", "9000"], "has 8192"),  # every turn and answer within the positions
+    pytest.param(["--task", "multiturn_niah", "--length", "9000"], "has 8192",  # every turn and answer within them
+                 marks=pytest.mark.model),
     (["--policy", "quest", "--granularity", "head_page"], "quest cannot run at granularity head_page: Quest"),
     (["--policy", "adakv", "--granularity", "head_page"], "adakv_snapkv cannot run at granularity head_page"),
     (["--policy", "h2o_token", "--granularity", "head"], "--granularity head contradicts it: use --policy h2o_head"),
@@ -54,6 +56,7 @@ def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow  # a second Python that imports torch
 def test_console_script_reports_bad_input_without_traceback(tmp_path):
     done = subprocess.run([str(Path(sys.executable).parent / "evalkit"), "run", "--budget", "0",
                            "--out", str(tmp_path)], capture_output=True, text=True)
@@ -82,6 +85,7 @@ def test_no_policy_says_a_sentence_twice_in_what_differs_from_its_paper():
     assert differs_from_the_paper(POLICIES.create("duo_attention")).count("its own role") == 1
 
 
+@pytest.mark.model  # runs the default model
 def test_end_to_end_on_the_default_model(monkeypatch, capsys, tmp_path):
     out = tmp_path / "runs"
     code, stdout, _ = evalkit(monkeypatch, capsys, "run", "--policy", "full", "--budget", "1.0", *SHORT,
@@ -108,6 +112,7 @@ def test_end_to_end_on_the_default_model(monkeypatch, capsys, tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.model  # runs the default model
 def test_an_interrupted_run_resumes_without_losing_or_repeating_samples(monkeypatch, capsys, tmp_path):
     out = tmp_path / "runs"
     args = ["run", "--policy", "streaming_llm", "--budget", "0.3", *SHORT, "--out", str(out), "--wandb", "off"]

@@ -217,6 +217,7 @@ def fuzz(examples: int):
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
+@pytest.mark.model  # fuzzed run, sweep and bench options: without --model, or with smollm2-135m
 @pytest.mark.parametrize("command, table", [("run", RUN_OPTIONS), ("sweep", SWEEP_OPTIONS),
                                             ("bench", BENCH_OPTIONS)])
 def test_fuzzed_options_are_one_line_or_reach_the_work(guarded, monkeypatch, capsys, command, table):
@@ -279,7 +280,10 @@ def write_store(root: Path, metrics: bytes, config: bytes, predictions: bytes) -
     return fuzzed
 
 
-@pytest.mark.parametrize("command", ["report", "heatmap"])
+@pytest.mark.parametrize("command", [
+    pytest.param("report", marks=pytest.mark.slow),  # hundreds of fuzzed run folders, each read by a report
+    "heatmap",
+])
 def test_fuzzed_store_files_are_skipped_or_refused_in_one_line(guarded, monkeypatch, capsys, command):
     @fuzz(EXAMPLES[command])
     @given(metrics=STORE_FILE, config=STORE_FILE, predictions=PREDICTIONS,

@@ -55,10 +55,12 @@ def test_each_fields_groups_say_what_changing_it_changes(name):
     assert (entries[0].series != entries[1].series) == (role == "variant"), name
 
 
+@pytest.mark.model  # RunConfig.validate on the default model reads its window (config.json)
 def test_the_default_run_keeps_its_id():
     assert RunConfig().validate().run_id() == "niah_single_2-h2o_head-0.2-b9c3cc36"  # README's example
 
 
+@pytest.mark.model  # RunConfig.validate on the default model reads its window (config.json)
 def test_sliding_layers_enter_the_run_id_only_when_not_the_default():
     """`--sliding-layers window` is a run of its own; `budget` (the default) keeps every earlier id, and a window
     run's full-cache baseline is the default's (a full cache keeps a sliding layer's window either way)."""
@@ -84,6 +86,7 @@ def test_policies_that_apply_the_model_s_rope_are_refused_on_gemma3(monkeypatch)
     RunConfig(policy="kvzip")._check_rope()
 
 
+@pytest.mark.model  # RunConfig.validate on the default model reads its window (config.json)
 def test_run_ids_name_the_granularity_run(tmp_path):
     assert "-random@head_page-0.2-" in RunConfig(policy="random", granularity="head_page", out=str(tmp_path)) \
         .validate().run_id()
@@ -103,6 +106,7 @@ def test_a_granularity_that_contradicts_a_preset_is_refused(policy, granularity,
         RunConfig(policy=policy, granularity=granularity).validate()
 
 
+@pytest.mark.model  # RunConfig.validate on the default model reads its window (config.json)
 def test_a_folder_named_before_the_granularity_label_keeps_its_name(tmp_path):
     config = RunConfig(policy="random", granularity="head_page", out=str(tmp_path)).validate()
     current = config.run_id()
@@ -113,6 +117,7 @@ def test_a_folder_named_before_the_granularity_label_keeps_its_name(tmp_path):
     assert config.run_id() == current
 
 
+@pytest.mark.model  # save_tiny_model in its body
 def test_an_earlier_folder_resumes_where_it_stopped(tmp_path):
     from conftest import save_tiny_model
     from evalkit.runner import run
@@ -163,6 +168,7 @@ def test_the_baseline_is_the_full_run_on_the_same_samples_that_ran_most_alike():
     assert baseline_for(ppl, [({**ppl, "policy": "full", "chunk_size": 512}, {"score": 4})]) is None
 
 
+@pytest.mark.model  # RunConfig.validate on the default model reads its window (config.json)
 def test_generation_settings_come_from_the_config_by_name():
     config = RunConfig(policy="snapkv", budget=64, layout="dense", block_size=8, prefill="chunked", chunk_size=128,
                        query_aware=False, decode_eviction=False, temperature=0.5, seed=3, pool_pages=99,

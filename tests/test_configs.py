@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 
+@pytest.mark.model  # the committed configs' sweeps resolve their models (Gemma 3 270M's too) to plan
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: str(path.relative_to(ROOT / "configs")))
 def test_every_committed_config_plans_its_grid(monkeypatch, capsys, tmp_path, config):
     """A typo in a committed config (a task, a policy, a field, a length over the model's window) fails here,

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import save_tiny_model, tiny_model
+from conftest import needs_model_files, save_tiny_model, tiny_model
 from helpers import evalkit, read_run
 from evalkit.loop import Conversation, GenerationSettings, Request, converse, generate, prefill_statistics, share_prefill
 from evalkit.loop.conversation import converse_branches
@@ -133,10 +133,12 @@ def test_branches_conversing_together_give_what_each_gives_alone(model, monkeypa
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_folder(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.model  # tiny_folder: the default model's tokenizer
 def test_a_multiturn_run_reports_each_turns_score_interval_and_cache(monkeypatch, capsys, tmp_path, tiny_folder):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     code, _, err = evalkit(monkeypatch, capsys, "run", "--model", str(tiny_folder), "--task", "multiturn_niah",

@@ -68,6 +68,7 @@ def test_kvpress_records_keep_question_answer_prefix_ids_and_tasks(tmp_path):
     assert [s.meta["task"] for s in samples] == ["codes", "codes", "cities", "cities"]
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_ruler_records_compress_the_whole_input(tmp_path):
     task = task_of(write_jsonl(tmp_path / "niah.jsonl", RULER))
     assert (task.data_format, task.question_split) == ("ruler", False)
@@ -152,6 +153,7 @@ def test_exact_match_is_squad_exact_match():
         exact("Paris", [])
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_limit_and_offset_select_a_slice_and_samples_follow_it(tmp_path):
     path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
     task = task_of(path, offset=1, limit=2)
@@ -220,6 +222,7 @@ def test_limit_stops_reading_the_file(tmp_path):
         task_of(path)
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_the_run_id_follows_the_data_and_its_options(tmp_path):
     path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
 
@@ -242,12 +245,14 @@ def test_the_run_id_follows_the_data_and_its_options(tmp_path):
     assert RunConfig(task=f"jsonl:{copy}").validate().run_id() != base  # another file
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_registered_tasks_keep_their_run_ids_free_of_data_options():
     config = RunConfig().validate()
     assert not set(fields_where(data=True)) & set(config.identity())
     assert config.to_dict()["data_format"] is None and config.question_split is None
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_a_saved_dataset_and_a_data_folder_load_through_datasets(tmp_path, monkeypatch):
     import datasets
 
@@ -272,6 +277,7 @@ def test_a_saved_dataset_and_a_data_folder_load_through_datasets(tmp_path, monke
         DataTask(f"hf:{tmp_path / 'folder'}:validation")
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_make_task_builds_the_data_task_the_config_resolved(tmp_path):
     path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
     config = RunConfig(task=f"jsonl:{path}", metric="string_match_part", offset=2).validate()
@@ -343,6 +349,7 @@ def read_run(out):
     return run_dir, records, json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_end_to_end_on_a_jsonl_file_with_sub_tasks(monkeypatch, capsys, tmp_path):
     path = write_jsonl(tmp_path / "doors_and_cities.jsonl", KVPRESS)
     out = tmp_path / "full"
@@ -374,6 +381,7 @@ def test_end_to_end_on_a_jsonl_file_with_sub_tasks(monkeypatch, capsys, tmp_path
     assert all(r["kept_tokens"] < r["prompt_tokens"] for r in records)
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_a_sample_over_the_length_is_refused_after_tokenising(monkeypatch, capsys, tmp_path):
     path = write_jsonl(tmp_path / "kv.jsonl", KVPRESS)
     out = tmp_path / "runs"
@@ -384,6 +392,7 @@ def test_a_sample_over_the_length_is_refused_after_tokenising(monkeypatch, capsy
     assert not out.exists()
 
 
+@pytest.mark.model  # a data task's RunConfig checks its records against the default model's window
 def test_a_record_over_the_models_window_is_refused_once_tokenised(monkeypatch, capsys, tmp_path):
     """Data samples are never cut: one that fits --length but not the model's positions is refused."""
     import torch

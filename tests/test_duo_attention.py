@@ -319,6 +319,7 @@ def test_no_calibration_text_is_one_line(monkeypatch, tmp_path):
         generate(model, None, [Request([5] * 20, [], 1)], GenerationSettings(small_policy(), budget=0.5))
 
 
+@pytest.mark.model  # its refusal names the default model's positions (its config.json)
 def test_cli_refuses_a_length_no_longer_than_the_window_with_no_run_folder(monkeypatch, capsys, tmp_path):
     from helpers import evalkit
 

@@ -12,6 +12,8 @@ import pytest
 from evalkit.config import RunConfig
 from evalkit.runner import run
 
+pytestmark = pytest.mark.model  # runs the default model on RULER's needles at 2k tokens
+
 LENGTH, SAMPLES = 2048, 4
 
 # Measured on the reference machine (2 CPU cores, fp32), 4 of 4 needles found for each task

@@ -73,6 +73,7 @@ def test_without_the_package_index_a_run_on_gemma3_is_one_line_and_exit_2(monkey
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.model  # gemma3_model loads the embedded Gemma 3 270M
 def test_the_embedded_model_is_gemma3_base_with_its_sliding_layers(gemma3_model):
     model, tokenizer = gemma3_model
     assert type(model).__name__ == "Gemma3ForCausalLM"
@@ -85,6 +86,7 @@ def test_the_embedded_model_is_gemma3_base_with_its_sliding_layers(gemma3_model)
     assert tokenizer.decode(context + question) == "<bos>Some context.\nWhat is it?Answer:"
 
 
+@pytest.mark.model  # gemma3_model loads the embedded Gemma 3 270M
 def test_full_budget_matches_hf_greedy_past_the_window(gemma3_model):
     """A 700-token prompt (longer than the 512-token window): at budget 1.0 evalkit's greedy tokens are HF
     generate's (its sliding layers' cache too holds the last 511 tokens), paged and dense; at budget 0.2 a sliding
@@ -109,6 +111,7 @@ def test_full_budget_matches_hf_greedy_past_the_window(gemma3_model):
     assert held == [[140] * 18]  # 0.2 x 700 < 511: every layer keeps its budget
 
 
+@pytest.mark.model  # `evalkit run --model gemma3-270m`
 def test_evalkit_run_on_gemma3_end_to_end(monkeypatch, capsys, tmp_path):
     """`evalkit run --model gemma3-270m --policy h2o_head --budget 0.2`, its full-cache baseline beside it; KV held
     over full counts a sliding layer's window as what the full cache holds."""

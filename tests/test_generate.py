@@ -251,6 +251,7 @@ def test_pool_exhaustion_is_a_clear_error():
         run(model, prompts((40,)), "full", 1.0, page_size=4, pool_pages=3)
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_stop_strings_end_generation_and_are_cut_from_the_text(default_model):
     model, tokenizer = default_model
     prompt = tokenizer("Count from one to ten: one, two, three,").input_ids

@@ -90,6 +90,7 @@ def test_one_matmul_over_every_cells_rows_would_not_be_exact():
         assert torch.equal(linear(x), own)
 
 
+@pytest.mark.slow  # a run's worth of cells, decoded together and one by one
 @pytest.mark.parametrize("size", [1, 2], ids=["batch 1", "batch 2"])
 @pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
 def test_cells_decoded_together_generate_what_each_generates_alone(query_aware, size, monkeypatch):

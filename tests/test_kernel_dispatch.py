@@ -16,6 +16,7 @@ from test_generate import hf_greedy, prompts, run
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.slow  # whole generations through the Triton interpreter (2-4 s a case on a CPU)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: the kernels' sliding window, its tokens dropped
 @pytest.mark.parametrize("layout", ["paged", "dense"])
 def test_kernels_at_full_budget_match_hf_greedy(layout, arch):
@@ -33,6 +34,7 @@ def test_kernels_at_full_budget_match_hf_greedy(layout, arch):
 POLICIES_UNDER_TEST = POLICIES.names() if DEVICE == "cuda" else ["h2o_head", "snapkv", "tova", "adakv"]
 
 
+@pytest.mark.slow  # whole generations through the Triton interpreter (2-4 s a case on a CPU)
 @pytest.mark.parametrize("policy", POLICIES_UNDER_TEST)
 @pytest.mark.parametrize("layout", ["paged", "dense"])
 def test_kernels_keep_the_same_tokens_and_statistics_as_torch(policy, layout):
@@ -56,6 +58,7 @@ def test_kernels_keep_the_same_tokens_and_statistics_as_torch(policy, layout):
         assert torch.allclose(stats_t, stats_k, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # whole generations through the Triton interpreter (2-4 s a case on a CPU)
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4)])
 def test_a_fresh_prompt_takes_its_statistics_from_the_kernel_beside_flash_attention(heads):
     """Where the kernels run, a fresh prompt's statistics come from the Triton pass over the forward's own K with

@@ -96,6 +96,7 @@ def full_budget(default_model, task_dir):
     return hf, ek
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_budget_one_equals_lm_eval_hf_model(full_budget):
     hf, ek = full_budget
     expected, got = responses(hf), responses(ek)
@@ -121,6 +122,7 @@ def test_budget_one_equals_lm_eval_hf_model(full_budget):
     assert all(r["kept_tokens"] == r["prompt_tokens"] for r in records if r["type"] != "loglikelihood_rolling")
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_save_run_writes_simple_evaluate_results_to_runs(full_budget, tmp_path, monkeypatch):
     hf, ek = full_budget
     monkeypatch.setenv("WANDB_MODE", "offline")  # mirrored to W&B like any evalkit run
@@ -146,6 +148,7 @@ def sparse_cli_run(default_model, task_dir, tmp_path_factory):
     return code, folders
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_cli_entry_runs_lm_eval_and_writes_a_run_folder(sparse_cli_run):
     code, folders = sparse_cli_run
     assert code == 0 and len(folders) == 1
@@ -164,6 +167,7 @@ def test_cli_entry_runs_lm_eval_and_writes_a_run_folder(sparse_cli_run):
     assert all(len(r["id"]) == 12 and r["task"] in TASKS for r in records)
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_small_budget_compresses_and_changes_the_numbers(sparse_cli_run, full_budget):
     _, folders = sparse_cli_run
     records = [json.loads(line) for line in (folders[0] / "predictions.jsonl").read_text().splitlines()]
@@ -248,9 +252,13 @@ def no_model_loads(monkeypatch):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tasks", "no_such_task_xyz", "--limit", "2"], "lm-eval: Tasks not found: no_such_task_xyz"),
-    (["--tasks", "hellaswag", "--limit", "2"],  # a hub task, offline (conftest): its data loads before the model
-     "cannot load lm-eval tasks hellaswag: ConnectionError: Couldn't reach 'Rowan/hellaswag' on the Hub"),
+    # slow: lm-eval builds its index of every task it knows (4-5 s) to say one is unknown
+    pytest.param(["--tasks", "no_such_task_xyz", "--limit", "2"], "lm-eval: Tasks not found: no_such_task_xyz",
+                 marks=pytest.mark.slow),
+    # a hub task, offline (conftest): its data loads, and fails, after the default model's folder is made
+    pytest.param(["--tasks", "hellaswag", "--limit", "2"],
+                 "cannot load lm-eval tasks hellaswag: ConnectionError: Couldn't reach 'Rowan/hellaswag' on the Hub",
+                 marks=pytest.mark.model),
     (["--tasks", "ek_mc", "--limit", "-1"], "lm-eval: --limit must be a number > 0 (examples per task, or a "
                                             "fraction of them below 1), got '-1'"),
     (["--tasks", "ek_mc", "--limit=-0.5"], "got '-0.5'"),
@@ -272,6 +280,7 @@ def test_lm_eval_refusals_are_one_line_and_load_no_model(lm_eval_logs_here, no_m
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.model  # the default model's tokenizer folder
 def test_lm_eval_log_lines_come_through_once_the_tasks_have_loaded(lm_eval_logs_here, monkeypatch, capsys,
                                                                     task_dir, tmp_path):
     """Held while lm-eval checks its input, not dropped: a run that passes still shows them."""
@@ -286,6 +295,7 @@ def test_lm_eval_log_lines_come_through_once_the_tasks_have_loaded(lm_eval_logs_
     assert err.count("--limit SHOULD ONLY BE USED FOR TESTING") == 1 and "Selected Tasks: ['ek_mc']" in err
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_the_default_model_folder_is_where_assets_makes_it(default_model):
     from evalkit.assets import default_model_dir
     from evalkit.integrations.lm_eval_options import default_model_folder
@@ -293,6 +303,7 @@ def test_the_default_model_folder_is_where_assets_makes_it(default_model):
     assert default_model_folder() == default_model_dir()
 
 
+@pytest.mark.model  # default_model loads the default model
 def test_query_agnostic_compresses_the_context_and_appends_the_question(default_model):
     from lm_eval.api.instance import Instance
 

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from conftest import needs_model_files
 from evalkit.assets import default_model_dir
 from evalkit.errors import EvalkitError
 from evalkit.tasks import TASKS, Sample
@@ -20,6 +21,7 @@ def words(sample: Sample) -> int:
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # the default model's tokenizer
 def prompt_length():
     from transformers import AutoTokenizer
 
@@ -155,6 +157,7 @@ def test_the_list_is_in_the_context_once_and_is_the_reference():
     assert [s.meta["depth"] for s in samples] == [0, 50, 100]
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_the_passage_is_whole_sentences_found_once_and_is_the_reference(prompt_length):
     for sample in RecitePassage().samples(prompt_length, 2048, 3, seed=0):
         passage = block(sample, "passage")
@@ -167,6 +170,7 @@ def test_the_passage_is_whole_sentences_found_once_and_is_the_reference(prompt_l
         assert prompt_length(Sample("", " ".join(sample.references[:-1]), "", "", [], 0)) - empty < 320
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("length", [1024, 2048, 4096])
 def test_prompt_and_answer_fill_the_length_without_passing_it(prompt_length, name, length):
@@ -174,6 +178,7 @@ def test_prompt_and_answer_fill_the_length_without_passing_it(prompt_length, nam
         assert 0.97 * length <= prompt_length(sample) + sample.max_new_tokens <= length
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name", NAMES)
 def test_new_tokens_hold_the_answer_with_room_to_spare(prompt_length, name):
     task = TASKS.create(name)
@@ -184,6 +189,7 @@ def test_new_tokens_hold_the_answer_with_room_to_spare(prompt_length, name):
         assert sample.max_new_tokens == tokens + tokens // 8 + 16
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_the_size_args_set_the_answer(prompt_length):
     (short,) = ReciteList().with_args({"entries": "5"}).samples(prompt_length, 2048, 1, seed=0)
     (long,) = ReciteList().with_args({"entries": "80"}).samples(prompt_length, 4096, 1, seed=0)
@@ -218,12 +224,14 @@ def test_a_filler_that_would_reach_the_passages_is_refused():
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_folder(tmp_path_factory):
     from conftest import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.model  # tiny_folder: the default model's tokenizer
 def test_a_run_keeps_each_answers_edit_similarity_and_length(monkeypatch, capsys, tmp_path, tiny_folder):
     from helpers import evalkit, read_run
 

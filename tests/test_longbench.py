@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import needs_model_files
 from evalkit.assets import default_model_dir
 from evalkit.errors import EvalkitError
 from evalkit.tasks import TASKS
@@ -53,6 +54,7 @@ def data(tmp_path):
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # the default model's tokenizer
 def prompt_length():
     from transformers import AutoTokenizer
 
@@ -80,6 +82,7 @@ def test_each_english_dataset_and_the_group_are_registered():
     assert isinstance(TASKS.create("longbench"), LongBenchGroup)
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_max_new_tokens_are_longbenchs(data, prompt_length):
     for name in ENGLISH:
         assert LongBenchTask(name).spec.max_new_tokens == MAX_NEW_TOKENS[name]
@@ -100,6 +103,7 @@ def test_loader_reads_local_jsonl_from_the_argument_or_the_environment(data, mon
     assert TASKS.create("longbench:trec").all_classes == CLASSES  # the registered task reads the variable
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_samples_carry_references_and_meta(data, prompt_length):
     (sample,) = LongBenchTask("trec", data).samples(prompt_length, 4096, 1, seed=0)
     index = int(sample.id.split("-")[1])
@@ -112,6 +116,7 @@ def test_samples_carry_references_and_meta(data, prompt_length):
     assert sample.meta["chat_template"] is True
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_same_seed_same_samples_without_global_random_state(data, prompt_length):
     task = LongBenchTask("hotpotqa", data)
     random.seed(1)
@@ -181,6 +186,7 @@ def test_malformed_files_are_refused_with_their_place(tmp_path):
 
 # --- prompts ----------------------------------------------------------------------------------
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_joined_fields_are_longbenchs_prompt_text(data, prompt_length):
     (hotpot,) = LongBenchTask("hotpotqa", data).samples(prompt_length, 4096, 1, seed=0)
     i = int(hotpot.id.split("-")[1])
@@ -207,6 +213,7 @@ def test_joined_fields_are_longbenchs_prompt_text(data, prompt_length):
         "only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ")
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_code_prompts_leave_the_codes_last_newline_to_the_separator(data, prompt_length):
     with_newline, without = LongBenchTask("lcc", data).samples(prompt_length, 4096, 2, seed=0)
     assert joined(with_newline) == ("Please complete the code given below. \ndef f():\n    return 1\n"
@@ -227,6 +234,7 @@ def test_cut_middle_balances_the_prompt_around_the_cut():
     assert cut_middle("abcdefghij", 0, before=3, after=3) == ""
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("length", [1200, 3000])
 def test_a_long_context_is_cut_in_the_middle_to_fit_the_length(data, prompt_length, length):
     task = LongBenchTask("gov_report", data)
@@ -246,6 +254,7 @@ def test_a_long_context_is_cut_in_the_middle_to_fit_the_length(data, prompt_leng
     assert 0.97 * length <= prompt_length(sample) + sample.max_new_tokens <= length
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_a_giant_context_is_never_tokenised_whole_and_is_cut_as_any_other(tmp_path, prompt_length):
     """A 4 MB context (issue #53: 50 MB took 84 s in the tokenizer) cannot fit at any tokenisation: the fit starts from
     as many characters as the length's tokens could hold, and cuts the whole context in the middle as before."""
@@ -266,6 +275,7 @@ def test_a_giant_context_is_never_tokenised_whole_and_is_cut_as_any_other(tmp_pa
     assert 0.97 * 3000 <= prompt_length(sample) + sample.max_new_tokens <= 3000
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_a_length_with_no_room_for_the_prompt_is_refused(data, prompt_length):
     with pytest.raises(EvalkitError, match="no room"):
         LongBenchTask("gov_report", data).samples(prompt_length, 512, 1, seed=0)
@@ -364,6 +374,7 @@ def test_tasks_score_with_eval_pys_cleaning_and_class_list(data):
 
 # --- the group --------------------------------------------------------------------------------
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_group_shares_samples_over_the_english_datasets_and_scores_each_its_way(tmp_path, prompt_length):
     for name in ENGLISH:
         answer = "shared" if name in ("hotpotqa", "2wikimqa") else f"answer {name}"

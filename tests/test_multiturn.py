@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from conftest import needs_model_files
 from evalkit.errors import EvalkitError
 from evalkit.tasks.multiturn import MultiturnKv, MultiturnNiah
 
@@ -13,6 +14,7 @@ LENGTH = 1500
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # the default model's tokenizer
 def tokenizer():
     from transformers import AutoTokenizer
 
@@ -25,6 +27,7 @@ def turns_of(sample):
     return [(sample.question, sample.references), *((t.question, t.references) for t in sample.followups)]
 
 
+@pytest.mark.model  # tokenizer: the default model's tokenizer
 @pytest.mark.parametrize("task", [MultiturnNiah(), MultiturnKv(), MultiturnKv(6)])
 def test_every_turn_asks_a_key_whose_one_value_is_its_answer(tokenizer, task):
     from evalkit.prompt import prompt_length
@@ -51,6 +54,7 @@ def test_every_turn_asks_a_key_whose_one_value_is_its_answer(tokenizer, task):
     assert len({min(range(task.turns), key=lambda i: s.meta["depths"][i]) for s in samples}) > 1
 
 
+@pytest.mark.model  # tokenizer: the default model's tokenizer
 def test_one_turn_is_a_single_question_sample(tokenizer):
     from evalkit.prompt import prompt_length
 

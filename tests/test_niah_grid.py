@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import needs_model_files
 from evalkit.assets import default_model_dir
 from evalkit.cli import main
 from evalkit.config import RunConfig
@@ -23,6 +24,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # the default model's tokenizer
 def tokenizer():
     from transformers import AutoTokenizer
 
@@ -84,6 +86,7 @@ def grid_samples(prompt_length):
     return task, task.samples(prompt_length, 2048, 12, seed=5)
 
 
+@pytest.mark.model  # tokenizer: the default model's tokenizer
 def test_every_cell_gets_the_same_number_of_samples(grid_samples, prompt_length):
     task, samples = grid_samples
     # 12 samples over 6 cells: two each.
@@ -94,6 +97,7 @@ def test_every_cell_gets_the_same_number_of_samples(grid_samples, prompt_length)
     assert len(NiahGrid(lengths=(512,), depths=(50.0,)).samples(prompt_length, 600, 1, 0)) == 1
 
 
+@pytest.mark.model  # tokenizer: the default model's tokenizer
 def test_samples_are_deterministic_for_a_seed(grid_samples, prompt_length):
     task, samples = grid_samples
     assert task.samples(prompt_length, 2048, 12, seed=5) == samples
@@ -103,6 +107,7 @@ def test_samples_are_deterministic_for_a_seed(grid_samples, prompt_length):
     assert [s.context for s in other if s.meta["repeat"] == 1] != [s.context for s in samples if s.meta["repeat"] == 1]
 
 
+@pytest.mark.model  # tokenizer: the default model's tokenizer
 def test_prompts_fill_their_cell_length(grid_samples, prompt_length):
     _, samples = grid_samples
     for sample in samples:
@@ -111,6 +116,7 @@ def test_prompts_fill_their_cell_length(grid_samples, prompt_length):
         assert length - max(4, (length - sample.max_new_tokens) // 200) <= used <= length
 
 
+@pytest.mark.model  # tokenizer: the default model's tokenizer
 def test_the_needle_sits_once_at_its_depth_after_a_sentence_end(grid_samples):
     _, samples = grid_samples
     words = essay_words()
@@ -228,7 +234,8 @@ def test_run_titles_name_policy_and_budget():
     (["--task-arg", "lengths=128"], f"niah length 128 is below the minimum of {MIN_LENGTH} tokens"),
     (["--task-arg", "depths=0,120"], "niah depth 120 is outside 0..100"),
     (["--length", "200"], f"niah needs --length >= {MIN_LENGTH}"),
-    (["--task-arg", "lengths=9k", "--task-arg", "depths=50"], "has 8192: lower the task's lengths"),
+    pytest.param(["--task-arg", "lengths=9k", "--task-arg", "depths=50"], "has 8192: lower the task's lengths",
+                 marks=pytest.mark.model),  # the default model's window (its config.json)
 ])
 def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys, tmp_path, args, message):
     out = tmp_path / "runs"
@@ -240,6 +247,7 @@ def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.model  # runs the default model
 def test_a_grid_run_on_the_default_model_writes_its_heatmap(tmp_path):
     config = RunConfig(policy="full", budget=1.0, task="niah", task_args={"lengths": "300,400", "depths": "50"},
                        samples=1, out=str(tmp_path), wandb="off")

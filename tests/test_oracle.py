@@ -11,8 +11,9 @@ layouts are assigned by a fixed pairwise covering table (COVERING), and hyper-pa
 Cases whose policy is identical to an earlier one (e.g. `h2o_page` at granularity `head` is
 `h2o_head`) are not repeated; granularities a policy refuses are listed as skips. A policy the
 oracle has no rule for fails until tests/oracle.py learns it. CriticalKV and Ada-KV over every scorer
-(`critical_<scorer>`, `adakv_<scorer>`) are in the slow tier (tests/conftest.py). Cases where evalkit
-departs from the rules (KNOWN_DEVIATIONS) are strict xfails, each with its reason.
+(`critical_<scorer>`, `adakv_<scorer>`) are marked `slow`, and so are three in four of the other cases of the
+main and hyper-parameter tables (the fast tier runs a stable sample: helpers.fast_tier_keeps_one_in). Cases
+where evalkit departs from the rules (KNOWN_DEVIATIONS) are strict xfails, each with its reason.
 
 Every hyper-parameter of every family also leaves its default in some case (HYPER_CASES, with other block
 and chunk sizes; `test_every_hyper_parameter_is_varied_against_the_oracle` fails for one that does not),
@@ -53,6 +54,7 @@ import pytest
 import torch
 
 from conftest import SHORT_PROMPT_ARGS, TINY, tiny_config
+from helpers import fast_tier_keeps_one_in
 from oracle import (FAMILIES, Settings, Spec, budget_tokens, duo_streaming, kvzip_prompts, published_spec,
                     pyramid_budgets, run_oracle)
 from test_policies import every_name, published_granularity
@@ -187,6 +189,12 @@ def _known(case_id: str) -> list:
     return [pytest.mark.xfail(strict=True, reason=KNOWN_DEVIATIONS[case_id])] if case_id in KNOWN_DEVIATIONS else []
 
 
+def _slow_if_it_wraps_a_scorer(name: str) -> list:
+    """`slow` for CriticalKV and Ada-KV over every scorer (`critical_<scorer>`, `adakv_<scorer>`; the original
+    `adakv_snapkv` stays in the fast tier): 150 cases against the oracle, 20-30 s in all."""
+    return [pytest.mark.slow] if name.startswith(("critical_", "adakv_")) and name != "adakv_snapkv" else []
+
+
 def _identity(policy) -> tuple:
     fields = tuple((f.name, getattr(policy, f.name)) for f in dataclasses.fields(policy) if f.compare)
     return (type(policy).__name__, fields)
@@ -198,14 +206,16 @@ def _cases():
     for name in POLICIES.names():
         family = family_of(name)
         if family is None:  # a new policy the oracle does not know yet: fails until tests/oracle.py learns it
-            params.append(pytest.param(name, "head", {}, 0.3, {}, id=f"{name}-unknown-to-oracle"))
+            params.append(pytest.param(name, "head", {}, 0.3, {}, id=f"{name}-unknown-to-oracle",
+                                       marks=_slow_if_it_wraps_a_scorer(name)))
             continue
         for g_index, granularity in enumerate(GRANULARITIES):
             try:
                 identity = _identity(make_policy(name, granularity))
             except EvalkitError as refused:
                 params.append(pytest.param(name, granularity, {}, None, {}, id=f"{name}-{granularity}-refused",
-                                           marks=pytest.mark.skip(reason=f"refused: {refused}")))
+                                           marks=[pytest.mark.skip(reason=f"refused: {refused}"),
+                                                  *_slow_if_it_wraps_a_scorer(name)]))
                 continue
             if identity in seen:
                 continue  # the same policy as an earlier case (e.g. h2o_page at granularity head = h2o_head)
@@ -223,7 +233,7 @@ def _cases():
                         tag = "-".join(f"{k}={int(v)}" if isinstance(v, bool) else str(v) for k, v in env.items())
                         case_id = f"{name}-{granularity}{'-' + label if label else ''}-{budget}-{tag}"
                         params.append(pytest.param(name, granularity, args, budget, env, id=case_id,
-                                                   marks=_known(case_id)))
+                                                   marks=_known(case_id) + _slow_if_it_wraps_a_scorer(name)))
     return params
 
 
@@ -392,7 +402,8 @@ def first_difference(where, phase, ours, theirs, trace, events) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name, granularity, args, budget, env", _cases())
+@pytest.mark.parametrize("name, granularity, args, budget, env", fast_tier_keeps_one_in(
+    4, "tests/test_oracle.py::test_evalkit_keeps_what_the_oracle_keeps", _cases()))
 def test_evalkit_keeps_what_the_oracle_keeps(name, granularity, args, budget, env):
     if family_of(name) is None:
         pytest.fail(f"policy {name!r} is registered but tests/oracle.py has no rule for it")
@@ -510,9 +521,9 @@ def _hyper_id(name, granularity, args, budget, env, sizes) -> str:
     return f"{name}-{granularity}-{label}-{budget}-{'kvpress' if env is KVPRESS else env['prefill']}"
 
 
-@pytest.mark.parametrize("name, granularity, args, budget, env, sizes",
-                         [pytest.param(*case, id=_hyper_id(*case), marks=_known(_hyper_id(*case)))
-                          for case in HYPER_CASES])
+@pytest.mark.parametrize("name, granularity, args, budget, env, sizes", fast_tier_keeps_one_in(
+    4, "tests/test_oracle.py::test_hyper_parameters_against_the_oracle",
+    [pytest.param(*case, id=_hyper_id(*case), marks=_known(_hyper_id(*case))) for case in HYPER_CASES]))
 def test_hyper_parameters_against_the_oracle(name, granularity, args, budget, env, sizes):
     sizes = dict(sizes)
     requests = long_batch() if sizes.pop("long", False) else None
@@ -547,7 +558,8 @@ def test_every_hyper_parameter_is_varied_against_the_oracle():
 def _named_cases():
     """Every registered name and alias, made as named (no --granularity), and the granularity
     tests/test_policies.py pins for it."""
-    return [pytest.param(name, published_granularity(name), (DECODING, CHUNKED)[i % 2], id=name)
+    return [pytest.param(name, published_granularity(name), (DECODING, CHUNKED)[i % 2], id=name,
+                         marks=_slow_if_it_wraps_a_scorer(name))
             for i, name in enumerate(every_name())]
 
 
@@ -690,6 +702,7 @@ def decoded_evictions(trace, context, question, page_size=BLOCK) -> tuple[set, s
     return evicted, survived, pages
 
 
+@pytest.mark.slow  # 200 decode steps, the oracle recomputing the whole sequence in float64 at each (6-9 s a case)
 @pytest.mark.parametrize("name, granularity, args, env", _long_cases())
 def test_long_decodes_against_the_oracle(name, granularity, args, env):
     """200 decode steps, each compressing back to the budget: the kept positions of every (layer, KV head) after
@@ -878,6 +891,7 @@ def _conversation_cases():
             for i, (name, granularity, args, decode_eviction) in enumerate(CONVERSATION_CASES)]
 
 
+@pytest.mark.slow  # three turns, the oracle recomputing the whole conversation at each forward (1 s a case)
 @pytest.mark.parametrize("name, granularity, args, env", _conversation_cases())
 def test_conversations_against_the_oracle(name, granularity, args, env):
     """Three turns on one compressed context: every answer, and the kept positions of every (layer, KV head) after

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY, tiny_model
+from conftest import TINY, needs_model_files, tiny_model
 from evalkit.assets import AUSTEN_NOVELS, austen_dir, cache_root, default_model_dir
 from evalkit.cli import main
 from evalkit.config import RunConfig
@@ -119,6 +119,7 @@ def test_run_perplexity_weights_every_token_alike():
 # --- through the runner, on a tiny model ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_folder(tmp_path_factory):
     """A random 2-layer Llama that reads the default model's tokens, saved as a loadable folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -163,6 +164,7 @@ def forward_nll(folder, records, allowed=None, first=CHUNK) -> list[list[float]]
     return losses
 
 
+@pytest.mark.model  # tiny_folder: the default model's tokenizer
 def test_budget_one_equals_one_full_forward_pass(tiny_folder, tmp_path):
     full, records = ppl_run(tiny_folder, tmp_path, "full", 1.0)
     assert len(records) == 2 and full["scored_from"] == CHUNK and full["scored_tokens"] == 2 * (LENGTH - CHUNK)
@@ -181,6 +183,7 @@ def test_budget_one_equals_one_full_forward_pass(tiny_folder, tmp_path):
     assert full["text"].startswith("Paul Graham essays") and full["higher_is_better"] is False
 
 
+@pytest.mark.model  # tiny_folder: the default model's tokenizer
 def test_chunk_size_one_scores_every_token_but_the_first_as_one_forward_pass(tiny_folder, tmp_path):
     """`--chunk-size 1` at budget 1, a bucket a position: every token's loss is the whole passage's forward
     pass's, to 1e-4 (the tolerance and its reason: `test_token_by_token_at_budget_one_equals_one_forward_pass`)."""
@@ -230,6 +233,7 @@ def test_token_by_token_at_budget_one_equals_one_forward_pass(tiny, monkeypatch,
                    zip(scored(0.3), expected)) > 1
 
 
+@pytest.mark.model  # tiny_folder: the default model's tokenizer
 def test_a_lower_budget_equals_a_forward_pass_masked_to_what_streaming_llm_keeps(tiny_folder, tmp_path):
     """StreamingLLM's rule applied by hand: after every chunk the cache keeps the 4 first tokens and
     the most recent ones, budget in all; a query sees what was kept before its chunk, and its own
@@ -263,8 +267,10 @@ def test_a_lower_budget_equals_a_forward_pass_masked_to_what_streaming_llm_keeps
 @pytest.mark.parametrize("args, message", [
     (["--task-arg", "text=poems"], "unknown ppl text 'poems'"),
     (["--task-arg", "window=3"], "unknown ppl task-arg window"),
-    (["--length", "400", "--chunk-size", "512"], "--length 400 must be more than --chunk-size 512"),
-    (["--length", "9000"], "smollm2-135m has 8192: lower --length"),
+    # model: the checks against --length come with the default model's window (its config.json)
+    pytest.param(["--length", "400", "--chunk-size", "512"], "--length 400 must be more than --chunk-size 512",
+                 marks=pytest.mark.model),
+    pytest.param(["--length", "9000"], "smollm2-135m has 8192: lower --length", marks=pytest.mark.model),
 ])
 def test_bad_input_is_one_line_and_exit_2_with_no_run_folder(monkeypatch, capsys, tmp_path, args, message):
     out = tmp_path / "runs"

@@ -7,6 +7,8 @@ import pytest
 from evalkit.prompt import encode, encode_conversation
 from evalkit.tasks import Sample, Turn
 
+pytestmark = pytest.mark.model  # every test takes the default model's tokenizer (default_model)
+
 
 @pytest.mark.parametrize("question, prefix", [
     ("What is the code?", " The code is"),

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import needs_model_files
 from evalkit.errors import EvalkitError
 from helpers import evalkit
 
@@ -24,6 +25,7 @@ RECORDS = [{"id": f"r{i}", "context": f"The code is {i}{i}{i}. " * 20, "question
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer random Llama with the default model's tokenizer: a real run in a second or two."""
     from conftest import save_tiny_model
@@ -67,6 +69,7 @@ def lines(folder: Path) -> list[str]:
 
 # ---- W&B can never cost a result ------------------------------------------------------------------------
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_wandb_with_a_key_and_no_route_costs_seconds_not_the_result(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                      no_wandb_credentials):
     monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # credentials W&B would use, if anything answered
@@ -93,6 +96,7 @@ def test_wandb_with_a_key_and_no_route_costs_seconds_not_the_result(tiny_model_d
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "online").exists()
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_wandb_online_without_credentials_is_refused_before_any_work(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                       no_wandb_credentials):
     for command in (run_args(tiny_model_dir, tmp_path / "runs", "--wandb", "online"),
@@ -107,6 +111,7 @@ def test_wandb_online_without_credentials_is_refused_before_any_work(tiny_model_
         assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_wandb_failing_after_the_run_is_one_warning_and_exit_0(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                 no_wandb_credentials):
     from evalkit.integrations import wandb as tracking
@@ -123,6 +128,7 @@ def test_wandb_failing_after_the_run_is_one_warning_and_exit_0(tiny_model_dir, t
     assert (folder / "metrics.json").exists()
 
 
+@pytest.mark.model  # runs the default model
 def test_the_runner_mirrors_to_wandb_only_through_the_mirror_its_caller_hands_in(tmp_path):
     """The core imports no tool: `evalkit run` hands `evalkit.integrations.wandb` to the runner. Called
     without it, a W&B mode that asks for logging is refused before any work, not silently dropped."""
@@ -210,6 +216,7 @@ def test_policy_args_enter_the_run_id_only_when_given():
     assert tuned.run_id() != RunConfig(policy="snapkv").run_id()
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_policy_args_reach_the_policy_in_run_sweep_and_lm_eval(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from conftest import tiny_model
     from evalkit.config import RunConfig
@@ -252,6 +259,7 @@ class Reader:
             self.text += line
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_concurrent_identical_runs_write_each_sample_once(tiny_model_dir, tmp_path):
     from evalkit.config import RunConfig
     from evalkit.results import RunDir
@@ -280,6 +288,7 @@ def test_concurrent_identical_runs_write_each_sample_once(tiny_model_dir, tmp_pa
     assert not run_dir.lock_path.exists()
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_a_sweep_runs_the_cells_no_other_process_holds_first(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """Two sweeps sharing a cell (the same full cache, say): the second runs its other cells instead of idling."""
     from evalkit.config import RunConfig
@@ -310,6 +319,7 @@ def test_a_sweep_runs_the_cells_no_other_process_holds_first(tiny_model_dir, tmp
     assert err.count("another evalkit process holds a folder of") == 1, err
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_resume_drops_repeated_lines_and_says_so(tiny_model_dir, tmp_path, monkeypatch, capsys):
     args = run_args(tiny_model_dir, tmp_path / "runs", "--wandb", "off")
     assert evalkit(monkeypatch, capsys, *args)[0] == 0
@@ -330,6 +340,9 @@ def test_resume_drops_repeated_lines_and_says_so(tiny_model_dir, tmp_path, monke
 # ---- one line, exit 2, before any model loads -------------------------------------------------------------
 
 NINES = "9" * 400
+# The cases marked `model` need the default model's config.json: those that name its window ("has 8192"), every
+# sweep (it resolves the default model before it checks its cells), and run's and bench's --out (checked after
+# the window).
 BAD_INPUT = [
     (["run", "--device", "tpu9"], "unknown device 'tpu9'; choose from auto, cpu, cuda, cuda:N"),
     (["run", "--device", "cuda:x"], "unknown device 'cuda:x'"),
@@ -342,10 +355,12 @@ BAD_INPUT = [
     (["run", "--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
     (["run", "--temperature", "-0.5"], "temperature must be a finite number >= 0"),
     (["run", "--task", "niah", "--task-arg", f"lengths={NINES}"], "is beyond any model's window"),
-    (["run", "--task", "niah", "--task-arg", "lengths=100k"], "smollm2-135m has 8192: lower the task's lengths"),
-    (["run", "--length", "1000000000"], "smollm2-135m has 8192: lower --length"),
-    (["run", "--length", "1000000"], "smollm2-135m has 8192: lower --length"),
-    (["run", "--task", "ppl", "--length", "100000"], "smollm2-135m has 8192: lower --length"),
+    pytest.param(["run", "--task", "niah", "--task-arg", "lengths=100k"],
+                 "smollm2-135m has 8192: lower the task's lengths", marks=pytest.mark.model),
+    pytest.param(["run", "--length", "1000000000"], "smollm2-135m has 8192: lower --length", marks=pytest.mark.model),
+    pytest.param(["run", "--length", "1000000"], "smollm2-135m has 8192: lower --length", marks=pytest.mark.model),
+    pytest.param(["run", "--task", "ppl", "--length", "100000"], "smollm2-135m has 8192: lower --length",
+                 marks=pytest.mark.model),
     (["run", "--length", "9" * 30], "is more than any model's window"),
     (["run", "--budget", "1e-300"], "budget 1e-300 keeps less than one token of --length 2048: the smallest "
                                     "useful fraction is 0.000489"),
@@ -355,9 +370,10 @@ BAD_INPUT = [
     (["run", "--policy-arg", "window"], "policy-arg must be KEY=VALUE, got 'window'"),
     (["run", "--policy", "snapkv", "--policy-arg", "window=lots"], "window"),
     (["run", "--policy", "h2o_head", "--policy-arg", "nope=1"], "has no policy-arg 'nope'"),
-    (["run", "--out", "{file}"], "--out {file} is a file, not a folder"),
-    (["run", "--out", "{file}/runs"], "is inside {file}, which is a file"),
-    (["run", "--out", ""], "--out is empty: give a folder, such as runs"),  # was: run folders in the current one
+    pytest.param(["run", "--out", "{file}"], "--out {file} is a file, not a folder", marks=pytest.mark.model),
+    pytest.param(["run", "--out", "{file}/runs"], "is inside {file}, which is a file", marks=pytest.mark.model),
+    pytest.param(["run", "--out", ""], "--out is empty: give a folder, such as runs",
+                 marks=pytest.mark.model),  # was: run folders in the current one
     # Bounds declared where each option or policy field is declared (RunConfig's `setting`, policies' `arg`).
     (["run", "--samples", "1" + "0" * 30, "--length", "512"], "is more than one run takes (the limit is 1,000,000)"),
     (["run", "--batch-size", "9" * 30], "batch-size 999999999999999999999999999999 is more than one run takes"),
@@ -369,21 +385,28 @@ BAD_INPUT = [
     (["run", "--policy", "snapkv", "--policy-arg", "kernel=4097"], "policy-arg kernel 4097 is more than --length"),
     (["run", "--policy", "adakv", "--policy-arg", "alpha_safeguard=2"], "alpha_safeguard must be in [0.0, 1.0]"),
     (["run", "--policy", "quest", "--policy-arg", "min_pages=0"], "min_pages must be in [1, 2147483647]"),
-    (["sweep", "--samples", "1" + "0" * 30, "--dry-run"], "is more than one run takes"),
-    (["sweep", "--policies", "snapkv", "--policy-arg", f"window={'9' * 30}", "--dry-run"], "policy-arg window must be"),
-    (["sweep", "--temperature", "nan", "--dry-run"], "temperature must be a finite number >= 0, got nan"),
-    (["sweep", "--seed", "99999999999999999999999", "--dry-run"], "seed must be in [0, 2**32)"),
-    (["sweep", "--budgets", "0.1,1e-300", "--dry-run"], "the smallest useful fraction is"),
-    (["sweep", "--policies", "snapkv", "--policy-arg", "window=x", "--dry-run"], "window"),
-    (["sweep", "--policies", "snapkv", "--config", "{tmp}/args.yaml", "--dry-run"], "window"),
-    (["sweep", "--device", "tpu9", "--dry-run"], "unknown device 'tpu9'"),
-    (["sweep", "--out", "{file}"], "--out {file} is a file, not a folder"),
-    (["sweep", "--out", ""], "--out is empty: give a folder"),
+    pytest.param(["sweep", "--samples", "1" + "0" * 30, "--dry-run"], "is more than one run takes",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--policies", "snapkv", "--policy-arg", f"window={'9' * 30}", "--dry-run"],
+                 "policy-arg window must be", marks=pytest.mark.model),
+    pytest.param(["sweep", "--temperature", "nan", "--dry-run"], "temperature must be a finite number >= 0, got nan",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--seed", "99999999999999999999999", "--dry-run"], "seed must be in [0, 2**32)",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--budgets", "0.1,1e-300", "--dry-run"], "the smallest useful fraction is",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--policies", "snapkv", "--policy-arg", "window=x", "--dry-run"], "window",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--policies", "snapkv", "--config", "{tmp}/args.yaml", "--dry-run"], "window",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--device", "tpu9", "--dry-run"], "unknown device 'tpu9'", marks=pytest.mark.model),
+    pytest.param(["sweep", "--out", "{file}"], "--out {file} is a file, not a folder", marks=pytest.mark.model),
+    pytest.param(["sweep", "--out", ""], "--out is empty: give a folder", marks=pytest.mark.model),
     (["bench", "--device", "tpu9"], "unknown device 'tpu9'"),
     (["bench", "--seed", "-1"], "seed must be in [0, 2**32)"),
     (["bench", "--policies", "snapkv", "--policy-arg", "nope=1"], "has no policy-arg 'nope'"),
-    (["bench", "--out", "{file}"], "--out {file} is a file, not a folder"),
-    (["bench", "--out", ""], "--out is empty: give a folder"),
+    pytest.param(["bench", "--out", "{file}"], "--out {file} is a file, not a folder", marks=pytest.mark.model),
+    pytest.param(["bench", "--out", ""], "--out is empty: give a folder", marks=pytest.mark.model),
     (["lm-eval"], "lm-eval needs --tasks NAME[,NAME...]"),
     (["lm-eval", "--tasks"], "expected at least one argument"),
     (["lm-eval", "--tasks", "x", "--out", "{file}"], "--out {file} is a file, not a folder"),
@@ -408,19 +431,28 @@ BAD_INPUT = [
     (["run", "--policy", "expected_attention_head", "--policy-arg", "n_future_positions=0"],
      "policy-arg n_future_positions must be in [1, "),  # the name typed, not the field's
     (["run", "--policy", "kvzip", "--policy-arg", "chunk_size=0"], "policy-arg chunk_size must be in [1, "),
-    (["run", "--policy", "duo_attention", "--policy-arg", "sink_size=100000000"],
-     "nothing to evict; lower policy-arg sink_size / recent_size: the model has 8192 positions"),
-    (["sweep", "--config", "{tmp}/bomb.yaml", "--dry-run"],
-     "bomb.yaml: YAML alias *a on line 2: a config takes no aliases; write the values out"),
-    (["sweep", "--config", "{tmp}/twice.yaml", "--dry-run"], "twice.yaml: key 'policies' is given twice"),
-    (["sweep", "--config", "{tmp}/twice.json", "--dry-run"], "twice.json: key 'samples' is given twice"),
-    (["sweep", "--config", "{tmp}/latin1.yaml", "--dry-run"], "latin1.yaml is not UTF-8 text (byte 0xe9 at offset 32)"),
-    (["sweep", "--config", "{tmp}/noise.toml", "--dry-run"], "noise.toml is not UTF-8 text (byte 0x80 at offset 0)"),
-    (["sweep", "--policies", ",".join(["h2o_head", "snapkv", "tova", "knorm", "keydiff", "lagkv", "kvzip", "random",
-                                       "streaming_llm", "expected_attention"]),
-      "--budgets", ",".join(str(i / 1000) for i in range(1, 501)), "--length", ",".join(str(600 + i) for i in range(100)),
-      "--dry-run"], "the grid has 500,100 cells (with each task and length's full cache), more than 10,000"),
-    (["sweep", "--policies", "snapkv,,h2o_head", "--dry-run"], "--policies has an empty item"),
+    pytest.param(["run", "--policy", "duo_attention", "--policy-arg", "sink_size=100000000"],
+                 "nothing to evict; lower policy-arg sink_size / recent_size: the model has 8192 positions",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--config", "{tmp}/bomb.yaml", "--dry-run"],
+                 "bomb.yaml: YAML alias *a on line 2: a config takes no aliases; write the values out",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--config", "{tmp}/twice.yaml", "--dry-run"], "twice.yaml: key 'policies' is given twice",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--config", "{tmp}/twice.json", "--dry-run"], "twice.json: key 'samples' is given twice",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--config", "{tmp}/latin1.yaml", "--dry-run"],
+                 "latin1.yaml is not UTF-8 text (byte 0xe9 at offset 32)", marks=pytest.mark.model),
+    pytest.param(["sweep", "--config", "{tmp}/noise.toml", "--dry-run"],
+                 "noise.toml is not UTF-8 text (byte 0x80 at offset 0)", marks=pytest.mark.model),
+    pytest.param(["sweep", "--policies", ",".join(["h2o_head", "snapkv", "tova", "knorm", "keydiff", "lagkv", "kvzip",
+                                                   "random", "streaming_llm", "expected_attention"]),
+                  "--budgets", ",".join(str(i / 1000) for i in range(1, 501)),
+                  "--length", ",".join(str(600 + i) for i in range(100)), "--dry-run"],
+                 "the grid has 500,100 cells (with each task and length's full cache), more than 10,000",
+                 marks=pytest.mark.model),
+    pytest.param(["sweep", "--policies", "snapkv,,h2o_head", "--dry-run"], "--policies has an empty item",
+                 marks=pytest.mark.model),
 ]
 
 
@@ -481,6 +513,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(refuse_models, 
     assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written, nothing left behind
 
 
+@pytest.mark.slow  # lm-eval builds its index of every task it knows (4-5 s) to say one is unknown
 def test_unknown_lm_eval_tasks_are_refused_before_the_model_loads(refuse_models, monkeypatch, capsys, tmp_path):
     code, _, err = evalkit(monkeypatch, capsys, "lm-eval", "--tasks", "no_such_task_xyz", "--out", str(tmp_path))
     assert code == 2 and err.strip() == "error: lm-eval: Tasks not found: no_such_task_xyz"
@@ -488,6 +521,7 @@ def test_unknown_lm_eval_tasks_are_refused_before_the_model_loads(refuse_models,
 
 # ---- issue #34: giant records, missing optional packages, a full disk ---------------------------------------
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_a_giant_data_record_is_refused_in_seconds_naming_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """One 50 MB record: refused before the tokenizer sees it (it took minutes), no run folder left."""
     data = tmp_path / "giant.jsonl"
@@ -503,6 +537,7 @@ def test_a_giant_data_record_is_refused_in_seconds_naming_it(tiny_model_dir, tmp
     assert not out.exists()
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 @pytest.mark.parametrize("missing, address, message", [
     ("grpc", "ray://127.0.0.1:10001", "error: the Ray address ray://127.0.0.1:10001 is reached through Ray Client, "
                                       "which needs the package grpcio (Ray's client extra): pip install grpcio"),
@@ -557,6 +592,7 @@ def full_disk(monkeypatch, name: str, good_writes: int) -> None:
     monkeypatch.setattr(results, "open", filling_open, raising=False)
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 @pytest.mark.parametrize("name, good_writes, recorded", [
     ("config.json.tmp", 0, None),  # the first finished sample's config.json: no run folder stays
     ("predictions.jsonl", 1, 1),  # the second sample's line: half of it got in
@@ -660,6 +696,7 @@ def test_heatmap_skips_a_torn_last_line_and_refuses_a_malformed_one(monkeypatch,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h.png", "runs"]  # no g.png, no .tmp
 
 
+@pytest.mark.model  # a sweep resolves the default model to plan
 def test_sweep_dry_run_changes_nothing_on_disk(monkeypatch, capsys, tmp_path):
     from evalkit.config import RunConfig
 

@@ -42,6 +42,7 @@ def sweep_report(swept, tmp_path_factory):
     return swept["out"], output
 
 
+@pytest.mark.model  # swept: a sweep on the default model
 def test_report_of_the_sweep_has_every_run_its_numbers_and_plots(sweep_report):
     runs, output = sweep_report
     folders = run_folders(runs)
@@ -150,6 +151,7 @@ def _column(driver, heading: str) -> list[str]:
         "return Array.prototype.map.call(table.tBodies[0].rows, r => r.cells[index].dataset.value);", heading)
 
 
+@pytest.mark.model  # swept: a sweep on the default model
 def test_report_in_chromium_renders_plots_and_sorts(sweep_report, browser, tmp_path):
     from selenium.webdriver.common.by import By
 
@@ -278,6 +280,7 @@ def test_hostile_strings_are_escaped_and_heatmaps_shown(hostile_runs, tmp_path):
     assert float(row["auc"]) == pytest.approx((0.25 * 0.625 + 0.5 * 0.875) / 0.75)
 
 
+@pytest.mark.slow  # Chromium starts
 def test_hostile_page_runs_no_injected_script_in_chromium(hostile_runs, browser, tmp_path):
     build_report(hostile_runs, tmp_path / "report")
     browser.get((tmp_path / "report" / "index.html").as_uri())
@@ -359,6 +362,7 @@ def test_runs_that_differ_only_in_block_size_get_a_quality_vs_block_size_plot(tm
     assert not list((tmp_path / "report").glob("quality-vs-block-size-*.png"))
 
 
+@pytest.mark.slow  # six run folders written, the page and its PNGs drawn
 def test_the_answer_averages_the_tasks_the_model_can_do_relative_to_their_full_cache(tmp_path):
     """Tasks whose full cache scores under a third are left out; a point is the mean relative score over the
     others, its error bar the mean's from the runs' intervals; a row counts its significant paired tests."""

@@ -11,6 +11,7 @@ import pytest
 
 import evalkit.tasks.ruler as ruler  # registers the tasks
 import evalkit.tasks.ruler_qa as ruler_qa
+from conftest import needs_model_files
 from evalkit.assets import default_model_dir
 from evalkit.errors import EvalkitError
 from evalkit.tasks.base import TASKS, Sample
@@ -35,6 +36,7 @@ def prompt(sample):
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # the default model's tokenizer
 def prompt_length():
     from transformers import AutoTokenizer
 
@@ -122,6 +124,7 @@ def test_every_ruler_task_is_registered_with_rulers_metric_and_generation_length
 
 # --- every generator --------------------------------------------------------------------------
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name", ALL)
 def test_samples_are_numbered_and_their_answers_are_in_the_context(made, name):
     samples = made[name]
@@ -137,6 +140,7 @@ def test_samples_are_numbered_and_their_answers_are_in_the_context(made, name):
 TOLERANCE = {"niah_multikey_3": 90, "qa_1": 60, "qa_2": 60}
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name", ALL)
 def test_prompt_and_answer_fill_the_length_without_passing_it(made, prompt_length, name):
     for sample in made[name]:
@@ -144,6 +148,7 @@ def test_prompt_and_answer_fill_the_length_without_passing_it(made, prompt_lengt
         assert LENGTH - TOLERANCE.get(name, 0.03 * LENGTH) <= total <= LENGTH
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name", ALL)
 def test_same_seed_same_samples_other_seed_other_samples(made, prompt_length, qa_files, name):
     task = make_task(name, qa_files)
@@ -158,6 +163,7 @@ def test_same_seed_same_samples_other_seed_other_samples(made, prompt_length, qa
         assert {r for s in other for r in s.references}.isdisjoint(r for s in made[name] for r in s.references)
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name", ["niah_single_1", "vt", "cwe", "fwe", "qa_1"])
 def test_a_length_with_no_room_for_the_prompt_is_refused(prompt_length, qa_files, name):
     task = make_task(name, qa_files)
@@ -176,6 +182,7 @@ def singular_prompt_parts(key, kind):
             f" The special magic {kind} for {key} mentioned in the provided text is")
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_noise_haystack_is_rulers_line_repeated_with_the_needle_as_a_line_at_its_depth(made):
     samples = made["niah_single_1"]
     assert [s.meta["depth"] for s in samples] == [0, 50, 100]
@@ -192,6 +199,7 @@ def test_noise_haystack_is_rulers_line_repeated_with_the_needle_as_a_line_at_its
     assert NOISE == "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name, kind", [("niah_multikey_2", "numbers"), ("niah_multikey_3", "uuids")])
 def test_needle_haystack_is_lines_of_distractor_needles(made, name, kind):
     key_pattern = r"[^\W\d_]+(?:[ '-]+[^\W\d_]+)*" if kind == "numbers" else UUID  # jalapeño, tam-o'-shanter
@@ -221,6 +229,7 @@ def test_needle_haystack_lines_never_repeat_a_hidden_key_or_value():
     assert f"for {free[1][1]} is: {free[1][2]}." in guarded  # the others are drawn as before
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("name, needles, answers, kind", [
     ("niah_single_2", 1, 1, "numbers"), ("niah_single_3", 1, 1, "uuids"), ("niah_multikey_1", 4, 1, "numbers"),
     ("niah_multivalue", 4, 4, "numbers"), ("niah_multiquery", 4, 4, "numbers")])
@@ -266,6 +275,7 @@ def chain_lines(names, value):
     return [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a} " for a, b in zip(names, names[1:])]
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_vt_hides_one_five_variable_chain_in_noise_after_a_solved_example(made, prompt_length):
     for sample in made["vt"]:
         value, names = sample.meta["value"], sample.references
@@ -326,11 +336,13 @@ def check_cwe(sample, freq_cw, freq_ucw, example_words, example_freq):
     assert all(example_counts[word] == example_freq[0] for word in shown)
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_cwe_below_4096_tokens_uses_rulers_short_settings(made):
     for sample in made["cwe"]:
         check_cwe(sample, 6, 1, 20, (3, 1))
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_cwe_from_4096_tokens_uses_synthetic_yaml(prompt_length):
     (sample,) = CommonWordsExtraction().samples(prompt_length, 4200, 1, seed=3)
     check_cwe(sample, 30, 3, 40, (10, 3))
@@ -347,6 +359,7 @@ def test_zeta_matches_known_values():
         zeta(1.0)
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_fwe_word_counts_follow_zipf_with_alpha_two(made):
     vocab_size = (LENGTH - 50) // 50
     for sample in made["fwe"]:
@@ -367,6 +380,7 @@ def test_fwe_word_counts_follow_zipf_with_alpha_two(made):
         assert [word for word, _ in counts.most_common(4)] == ["...", *sample.references]
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_fwe_refuses_a_length_too_short_for_a_vocabulary(prompt_length):
     with pytest.raises(EvalkitError):
         FrequentWordsExtraction().samples(prompt_length, 240, 1, seed=0)
@@ -385,6 +399,7 @@ def documents(context):
     return parts[2::2]
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_qa_prompt_is_rulers_template(made):
     for sample in made["qa_1"] + made["qa_2"]:
         joined = prompt(sample)
@@ -394,6 +409,7 @@ def test_qa_prompt_is_rulers_template(made):
         assert sample.answer_prefix == " Answer:"
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_squad_sample_has_its_paragraph_once_after_same_article_distractors(made):
     data = parse_squad(squad_json())
     for sample in made["qa_1"]:
@@ -409,6 +425,7 @@ def test_squad_sample_has_its_paragraph_once_after_same_article_distractors(made
         assert set(docs) <= set(data.docs)
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_qa_distractors_beyond_the_article_are_drawn_at_random(made):
     data = parse_squad(squad_json())
     for sample in made["qa_1"]:
@@ -418,6 +435,7 @@ def test_qa_distractors_beyond_the_article_are_drawn_at_random(made):
         assert len(others) > 3 and sorted(others) != first  # not RULER's sorted order
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_hotpotqa_sample_has_all_its_paragraphs(made):
     for sample in made["qa_2"]:
         docs = documents(sample.context)
@@ -454,12 +472,14 @@ def test_hub_rows_are_regrouped_into_rulers_files():
     assert data.docs == ("T1\ns1s2", "T2\ns3") and data.items[0].gold == (0, 1)
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_qa_data_comes_from_the_environment_variable(monkeypatch, qa_files, prompt_length):
     monkeypatch.setenv("EVALKIT_RULER_SQUAD", qa_files["qa_1"])
     (sample,) = TASKS.create("qa_1").samples(prompt_length, 800, 1, seed=0)
     assert "Zorblax" in sample.context
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_qa_without_data_says_why_in_one_line_and_never_reaches_the_hub(monkeypatch, tmp_path, prompt_length):
     monkeypatch.delenv("EVALKIT_RULER_SQUAD", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -505,6 +525,7 @@ def test_qa_data_comes_from_the_hub_when_it_is_on(monkeypatch):
         ruler_qa._read_hub.cache_clear()
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_qa_refuses_more_samples_than_questions(qa_files, prompt_length):
     with pytest.raises(EvalkitError, match="12 answerable"):
         Qa2(qa_files["qa_2"]).samples(prompt_length, LENGTH, 13, seed=0)
@@ -512,6 +533,7 @@ def test_qa_refuses_more_samples_than_questions(qa_files, prompt_length):
 
 # --- metrics ------------------------------------------------------------------------------------
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_each_task_scores_with_rulers_metric(made):
     multivalue = made["niah_multivalue"][0].references
     assert TASKS.create("niah_multivalue").score(f"{multivalue[0]}, {multivalue[2]}", multivalue) == 0.5
@@ -529,6 +551,7 @@ def test_each_task_scores_with_rulers_metric(made):
 
 # --- the group ----------------------------------------------------------------------------------
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_group_takes_n_samples_of_every_task_and_scores_each_by_its_own_metric(
         monkeypatch, qa_files, prompt_length, made):
     monkeypatch.setenv("EVALKIT_RULER_SQUAD", qa_files["qa_1"])
@@ -551,6 +574,7 @@ def test_group_takes_n_samples_of_every_task_and_scores_each_by_its_own_metric(
         group.score("x", ["never made"])
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_group_skips_qa_without_data_and_says_so(monkeypatch, prompt_length):
     monkeypatch.delenv("EVALKIT_RULER_SQUAD", raising=False)
     monkeypatch.delenv("EVALKIT_RULER_HOTPOTQA", raising=False)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from conftest import needs_model_files
 from evalkit.attention import evalkit_attention
 from evalkit.attention_ops import attention_statistics, prompt_attention, window_queries
 from evalkit.loop import GenerationSettings, Request, generate, start
@@ -85,6 +86,7 @@ def requests(gen) -> list[Request]:
                     torch.randint(0, 128, (6,), generator=gen).tolist(), 6) for n in (70, 52)]
 
 
+@pytest.mark.slow  # every policy through a shared prefill and its own, on two tiny models
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: a sliding layer's window drop on the shared prompt
 @pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
 def test_a_shared_prefill_generates_what_each_cells_own_prefill_generates(query_aware, arch):
@@ -170,6 +172,7 @@ def test_a_shared_prefill_refuses_other_prompts_and_chunked_runs():
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # save_tiny_model: the default model's tokenizer
 def tiny_model_dir(tmp_path_factory):
     from conftest import save_tiny_model
 
@@ -190,6 +193,7 @@ def lines(run_path: str) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 @pytest.mark.parametrize("query_aware", [True, False], ids=["query-aware", "query-agnostic"])
 def test_run_many_writes_what_one_run_per_cell_writes(tiny_model_dir, tmp_path, query_aware):
     from evalkit.loop import shared_prefill
@@ -217,6 +221,7 @@ def test_run_many_writes_what_one_run_per_cell_writes(tiny_model_dir, tmp_path, 
         assert a.metrics["score"] == b.metrics["score"] and a.metrics["kept_tokens"] == b.metrics["kept_tokens"]
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_kvzip_cells_of_a_sweep_share_one_reconstruction_and_write_what_their_own_runs_write(tiny_model_dir, tmp_path,
                                                                                              monkeypatch):
     """Every KVzip cell of a sample (each budget and granularity) reads the scores of one reconstruction, run in
@@ -243,6 +248,7 @@ def test_kvzip_cells_of_a_sweep_share_one_reconstruction_and_write_what_their_ow
         assert b.metrics["reconstruction_seconds"] > 0
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path):
     from evalkit.runner import run_many
 
@@ -261,6 +267,7 @@ def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path):
     assert [lines(r.path) for r in again] == reference
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_sweep_dry_run_says_which_cells_share_a_prefill(tiny_model_dir, tmp_path):
     from evalkit.cli import app
 
@@ -276,6 +283,7 @@ def test_sweep_dry_run_says_which_cells_share_a_prefill(tiny_model_dir, tmp_path
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
 def test_evalkit_run_shows_the_full_cache_beside_the_policy_from_the_same_prefill(tiny_model_dir, tmp_path):
     from evalkit.cli import app
 

@@ -33,7 +33,10 @@ def model():
     return tiny_model()
 
 
-STATIC = [name for name in POLICIES.names() if policy_refusal(policy(name)) is None]
+# Every policy the static step takes. The fast tier keeps H2O and SnapKV at every granularity and the full cache;
+# the others are `slow`: they run in `make test` only.
+STATIC = [name if name.startswith(("h2o_", "snapkv_")) or name == "full" else pytest.param(name, marks=pytest.mark.slow)
+          for name in POLICIES.names() if policy_refusal(policy(name)) is None]
 
 
 # A read of a tensor's values by the host: each of these waits for the device (a sync) on a GPU.
@@ -211,6 +214,7 @@ def test_the_static_step_drops_what_a_sliding_window_lost_as_the_eager_step_does
         torch.testing.assert_close(s, e, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # whole generations through the Triton interpreter
 @pytest.mark.parametrize("name", ["h2o_head", "h2o_head_page", "snapkv_head_page", "tova_token", "full"])
 def test_the_static_step_on_the_kernels_keeps_and_generates_what_the_eager_step_does(model, name):
     """The static step's Triton path (its frozen block tables, in Triton's interpreter here) against the eager step

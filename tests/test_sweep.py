@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import needs_model_files
 from helpers import evalkit
 
 EVALKIT = str(Path(sys.executable).parent / "evalkit")
@@ -35,9 +36,11 @@ def _config(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
+# The cases marked `model` are refused while the sweep's cells are checked, after the default model is resolved.
 @pytest.mark.parametrize("args, message", [
-    (["--policies", "h2o_head,h2o_haed"], "unknown policy 'h2o_haed' (did you mean 'h2o_head'?)"),
-    (["--tasks", "ruler:niah_single_2,ruler:nope"], "unknown task 'ruler:nope'"),
+    pytest.param(["--policies", "h2o_head,h2o_haed"], "unknown policy 'h2o_haed' (did you mean 'h2o_head'?)",
+                 marks=pytest.mark.model),
+    pytest.param(["--tasks", "ruler:niah_single_2,ruler:nope"], "unknown task 'ruler:nope'", marks=pytest.mark.model),
     (["--budgets", "0.1,0"], "budget must be > 0, got 0"),
     (["--budgets", "0.5,-0.2"], "out of range"),
     (["--budgets", "0.5,1.5"], "out of range"),
@@ -47,17 +50,19 @@ def _config(tmp_path: Path, name: str, text: str) -> str:
      "--policies item 'kvzip_head:layerwise=true' sets layerwise, which --policy-arg sets too: give it once"),
     (["--policies", "duo_attention@head_page", "--granularity", "head"],
      "--policies item 'duo_attention@head_page' names a granularity and --granularity head gives every policy"),
-    (["--policies", "h2o_token@head"], "h2o_token runs at granularity token"),
+    pytest.param(["--policies", "h2o_token@head"], "h2o_token runs at granularity token", marks=pytest.mark.model),
     (["--policies", "kvzip_head:layerwise"], "policy-arg must be KEY=VALUE, got 'layerwise'"),
     (["--budgets", " , "], "--budgets is empty"),
     (["--tasks", ","], "--tasks is empty"),
     (["--length", "512,lots"], "--length takes whole numbers of tokens, got 'lots'"),
     (["--engine", "spark"], "unknown engine 'spark'; choose from local, ray"),
-    (["--layout", "sparse"], "unknown layout 'sparse'"),
+    pytest.param(["--layout", "sparse"], "unknown layout 'sparse'", marks=pytest.mark.model),
     (["--model", "./no/such/model"], "model path './no/such/model' does not exist"),
-    (["--limit", "3"], "--limit is for data tasks (jsonl:PATH, hf:NAME[:CONFIG]:SPLIT), and none of ruler:"),
-    (["--tasks", "jsonl:{tmp}/data.jsonl", "--samples", "3"], "--samples is not for data tasks"),
-    (["--kernels", "cuda"], "unknown kernels 'cuda'"),
+    pytest.param(["--limit", "3"], "--limit is for data tasks (jsonl:PATH, hf:NAME[:CONFIG]:SPLIT), and none of ruler:",
+                 marks=pytest.mark.model),
+    pytest.param(["--tasks", "jsonl:{tmp}/data.jsonl", "--samples", "3"], "--samples is not for data tasks",
+                 marks=pytest.mark.model),
+    pytest.param(["--kernels", "cuda"], "unknown kernels 'cuda'", marks=pytest.mark.model),
     (["--config", "{tmp}/missing.yaml"], "cannot read config file"),
     (["--config", "{tmp}/sweep.ini"], "unknown format '.ini'"),
     (["--config", "{tmp}/broken.yaml"], "cannot parse config file"),
@@ -85,6 +90,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_cell(monkeypatch, capsys, t
     assert not out.exists()
 
 
+@pytest.mark.model  # a sweep resolves the default model to plan
 def test_config_files_and_flags_make_the_same_grid(monkeypatch, capsys, tmp_path):
     """YAML, TOML and JSON files give the grid the flags give; a flag overrides the file."""
     flags = ["--policies", "h2o_head,snapkv", "--budgets", "0.2,64", "--tasks", "niah_single_2,ruler:vt",
@@ -113,6 +119,7 @@ def test_config_files_and_flags_make_the_same_grid(monkeypatch, capsys, tmp_path
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
 
+@pytest.mark.model  # a sweep resolves the default model to plan
 def test_a_grid_item_names_its_granularity_and_its_own_policy_args(tmp_path):
     """`name@granularity` and `name:KEY=VALUE` make the cells `evalkit run --granularity` and `--policy-arg` make,
     beside the plain policy in the same grid (so in the same prefill group), each labelled as the grid wrote it."""
@@ -148,6 +155,7 @@ def _write_kvpress(path: Path, records: int) -> None:
                             for i in range(records)))
 
 
+@pytest.mark.model  # a sweep resolves the default model to plan
 def test_data_options_reach_data_tasks_and_samples_the_registered_ones(tmp_path):
     """In a grid of a registered task and a data file, --samples sizes the one, --limit selects from the other."""
     import typer
@@ -218,11 +226,13 @@ def _killed_and_resumed(root: Path) -> dict:
 
 
 @pytest.fixture
+@needs_model_files  # a sweep on the default model
 def swept(tmp_path_factory):
     """The killed-and-resumed sweep, computed once per session (the report tests reuse it)."""
     return _killed_and_resumed(tmp_path_factory.getbasetemp() / "sweep")
 
 
+@pytest.mark.model  # swept: a sweep on the default model
 def test_dry_run_says_how_many_samples_each_cell_needs(swept, monkeypatch, capsys, tmp_path):
     from evalkit.uncertainty import samples_needed
 
@@ -247,6 +257,7 @@ def test_dry_run_says_how_many_samples_each_cell_needs(swept, monkeypatch, capsy
     assert code == 2 and "give it with --dry-run" in err
 
 
+@pytest.mark.model  # swept: a sweep on the default model
 def test_killed_sweep_resumes_to_exactly_the_grid(swept, monkeypatch, capsys):
     out, at_kill, resumed = swept["out"], swept["at_kill"], swept["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -317,6 +328,7 @@ def wandb_run(records):
     return next(r.run for r in records if r.WhichOneof("record_type") == "run")
 
 
+@pytest.mark.model  # swept: a sweep on the default model
 def test_wandb_records_every_cell_and_the_sweep_curves(swept):
     out = swept["out"]
     (sweep_dir,) = (out / "_sweeps").iterdir()
@@ -374,6 +386,7 @@ def test_wandb_records_every_cell_and_the_sweep_curves(swept):
 
 # ---- Ray ------------------------------------------------------------------------------------------------
 
+@pytest.mark.model  # swept: a sweep on the default model
 def test_ray_engine_writes_the_same_run_folders_as_the_local_engine(swept, tmp_path):
     """A small grid through a local Ray instance: the same run ids, configs and predictions."""
     out = tmp_path / "ray-runs"

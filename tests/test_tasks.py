@@ -3,6 +3,7 @@ import re
 
 import pytest
 
+from conftest import needs_model_files
 from evalkit.assets import default_model_dir
 from evalkit.errors import EvalkitError
 from evalkit.tasks import TASKS
@@ -12,6 +13,7 @@ from evalkit.tasks.ruler_niah import NiahSingle2, NiahSpec, NiahTask
 
 
 @pytest.fixture(scope="module")
+@needs_model_files  # the default model's tokenizer
 def prompt_length():
     from transformers import AutoTokenizer
 
@@ -144,6 +146,7 @@ def test_registered_under_ruler_name_and_alias_only():
     assert task.description and "RULER" in task.source
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_samples_have_rulers_prompt_and_one_seven_digit_answer(niah_samples):
     assert [s.id for s in niah_samples] == [f"niah_single_2-{i:04d}" for i in range(5)]
     for sample in niah_samples:
@@ -160,6 +163,7 @@ def test_samples_have_rulers_prompt_and_one_seven_digit_answer(niah_samples):
         assert sample.max_new_tokens == 128
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_needle_depths_spread_evenly_over_the_samples(niah_samples):
     assert [s.meta["depth"] for s in niah_samples] == [0, 25, 50, 75, 100]
     for sample in niah_samples:
@@ -171,12 +175,14 @@ def test_needle_depths_spread_evenly_over_the_samples(niah_samples):
     assert niah_samples[1].context.split("\n", 1)[1].startswith("July 2010What hard liquor")  # addiction.txt
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 @pytest.mark.parametrize("length", [400, 1500, 6000])
 def test_prompt_and_answer_fill_the_length_without_passing_it(prompt_length, length):
     for sample in NiahSingle2().samples(prompt_length, length, 3, seed=0):
         assert 0.97 * length <= prompt_length(sample) + sample.max_new_tokens <= length
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_same_seed_same_samples_without_global_random_state(prompt_length):
     task = NiahSingle2()
     random.seed(1)
@@ -196,6 +202,7 @@ def test_score_uses_string_match_all():
     assert task.score("The number is 7654321", ["1234567"]) == 0.0
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_a_length_with_no_room_for_the_prompt_is_refused(prompt_length):
     with pytest.raises(EvalkitError):
         NiahSingle2().samples(prompt_length, 128, 1, seed=0)
@@ -203,6 +210,7 @@ def test_a_length_with_no_room_for_the_prompt_is_refused(prompt_length):
         NiahSingle2().samples(prompt_length, 150, 1, seed=0)  # instruction and question alone exceed 22
 
 
+@pytest.mark.model  # prompt_length: the default model's tokenizer
 def test_other_variants_are_a_spec_away(prompt_length):
     class MultiQuery(NiahTask):
         name, description = "ruler:niah_multiquery", "test"

@@ -192,6 +192,7 @@ def test_the_permutation_p_value_is_every_swap_of_the_samples_pairs_enumerated(s
         _swapped_p(np.stack([nll[0], tokens[0]]), np.stack([nll[1], tokens[1]]), perplexity))
 
 
+@pytest.mark.slow  # all 2^18 swaps of 18 samples
 def test_shares_past_every_swap_get_the_exact_distribution_of_their_sign_flips():
     """Differences on one step (quarters, thirds weighted by 1/n) get an exact p-value at any n: at 18
     samples every swap's, enumerated; at 400 the tail of the sum of sign flips worked out independently (one
