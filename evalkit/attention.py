@@ -166,31 +166,43 @@ def _recorded_prompt_attention(layer_idx, query, key, value, plan: ForwardPlan, 
     return out
 
 
-def store_statistic(layer, slots, collect: str, stats, valid) -> None:
-    """Hand a statistic over `slots` [B, H_kv, N] to the storage: H2O's sums accumulate, a window replaces."""
+def store_statistic(layer, slots, collect: str, stats, valid=None) -> None:
+    """Hand a statistic over `slots` [B, H_kv, N] to the storage: H2O's sums accumulate, a window replaces in the
+    batch rows the forward fed (`valid` [B, T]; None: one query per sequence, every row, nothing read back)."""
     if collect == "attention":
         layer.add_stats(slots, stats)
+    elif valid is None:
+        layer.stats.index_copy_(0, slots.reshape(-1), stats.reshape(-1).float())
     else:
         layer.set_stats(slots, stats, rows=valid.any(1))
 
 
 def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
     """The Triton path: attention straight from the pages, statistics in a second O(n) pass."""
+    layer.append(key, value, plan.positions, plan.valid)
+    table, page_size, head_tokens = layer.page_table()
+    counted = statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid) \
+        if plan.collect else None
+    out = _kernels(layer, query, plan, scaling, sliding_window, (table, head_tokens, page_size), counted)
+    if plan.collect:
+        store_statistic(layer, layer.slot_index(), plan.collect, out[1], plan.valid)
+    return out[0]
+
+
+def _kernels(layer, query, plan: ForwardPlan, scaling, sliding_window, pages: tuple, counted):
+    """The Triton kernels over `pages` (page table, tokens per head, page size): the attention output, and the
+    statistic over the `counted` queries [B, T] (None: no statistic)."""
     # Triton is optional (CPU installs lack it): the kernels' modules import it, so they load only when one runs.
     from evalkit.kernels.attention_stats import attention_stats
     from evalkit.kernels.paged_attention import paged_attention
 
-    layer.append(key, value, plan.positions, plan.valid)
-    table, page_size, head_tokens = layer.page_table()
-    sliding_window = sliding_window or 0
-    out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, table, head_tokens,
-                               page_size, scaling, sliding_window)
-    if plan.collect:
-        counted = statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid)
-        stats = attention_stats(query, plan.positions, counted, layer.k, layer.pos, table, head_tokens,
-                                page_size, scaling, lse, sliding_window)
-        store_statistic(layer, layer.slot_index(), plan.collect, stats, plan.valid)
-    return out
+    table, head_tokens, page_size = pages
+    out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, table, head_tokens, page_size,
+                               scaling, sliding_window or 0)
+    if counted is None:
+        return out, None
+    return out, attention_stats(query, plan.positions, counted, layer.k, layer.pos, table, head_tokens, page_size,
+                                scaling, lse, sliding_window or 0)
 
 
 def _static_decode_attention(layer, slots, query, key, value, plan: ForwardPlan, scaling, sliding_window):
@@ -198,16 +210,10 @@ def _static_decode_attention(layer, slots, query, key, value, plan: ForwardPlan,
     statistic as the eager path, with every shape fixed by `slots` and nothing read back to the host."""
     layer.append_static(slots, key, value, plan.positions)
     if use_triton(plan.kernels, query):
-        from evalkit.kernels.attention_stats import attention_stats
-        from evalkit.kernels.paged_attention import paged_attention
-
-        sliding_window = sliding_window or 0
-        out, lse = paged_attention(query, plan.positions, layer.k, layer.v, layer.pos, slots.table, slots.head_tokens,
-                                   slots.page_size, scaling, sliding_window)
+        out, stats = _kernels(layer, query, plan, scaling, sliding_window,
+                              (slots.table, slots.head_tokens, slots.page_size), plan.valid if plan.collect else None)
         if plan.collect:
-            stats = attention_stats(query, plan.positions, plan.valid, layer.k, layer.pos, slots.table,
-                                    slots.head_tokens, slots.page_size, scaling, lse, sliding_window)
-            _store_static_statistic(layer, slots.index, plan.collect, stats)
+            store_statistic(layer, slots.index, plan.collect, stats)
         return out
     B, H_q, _, D = query.shape
     H_kv = slots.index.shape[1]
@@ -220,18 +226,10 @@ def _static_decode_attention(layer, slots, query, key, value, plan: ForwardPlan,
     # output from them for "attention", from SDPA beside them for "window", as there.
     scores = torch.matmul(query.view(B, H_kv, H_q // H_kv, D), k.transpose(-1, -2)).mul_(scaling)
     probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1, dtype=torch.float32).to(query.dtype)
-    _store_static_statistic(layer, slots.index, plan.collect, probs.float().mean(dim=2))
+    store_statistic(layer, slots.index, plan.collect, probs.float().mean(dim=2))
     if plan.collect == "window":
         return decode_attention(query, k, v, scaling, allowed)
     return torch.matmul(probs, v).view(B, 1, H_q, D)
-
-
-def _store_static_statistic(layer, index, collect: str, stats) -> None:
-    """`store_statistic` for one query per sequence, every row valid: H2O's sums accumulate, a window replaces."""
-    if collect == "attention":
-        layer.add_stats(index, stats)
-    else:
-        layer.stats.index_copy_(0, index.reshape(-1), stats.reshape(-1).float())
 
 
 def _no_mask(*args, **kwargs):

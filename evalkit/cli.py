@@ -97,12 +97,7 @@ def run(
                        sliding_layers=sliding_layers, temperature=temperature, seed=seed, batch_size=batch_size,
                        pool_pages=pool_pages, dtype=dtype, device=device, out=out_dir, wandb=wandb, kernels=kernels,
                        data_format=data_format, metric=metric, limit=limit, offset=offset)
-    configs = [config]
-    if baseline:
-        config.validate()
-        if config.policy != "full" and runner.find_baseline(config) is None:
-            configs.append(config.full_cache())
-    result = runner.run_many(configs, err, mirror=wandb_mirror)[0]
+    result = runner.run_many([config.resolve()], err, mirror=wandb_mirror, baselines=baseline)[0]
     _print_result(result)
 
 

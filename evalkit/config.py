@@ -16,10 +16,10 @@ from evalkit.kernels import KERNEL_MODES
 from evalkit.models import check_device, max_positions_of, model_config
 from evalkit.loop import GenerationSettings
 from evalkit.loop.state import SLIDING_LAYERS
-from evalkit.policies import POLICIES, Budget, make_policy, parse_budget
+from evalkit.policies import POLICIES, Budget, Policy, make_policy, parse_budget
 from evalkit.policies.names import policy_label, refuse_contradiction
 from evalkit.policies.budget import TOKEN_LIMIT
-from evalkit.tasks import TASKS
+from evalkit.tasks import TASKS, Task
 from evalkit.tasks.custom import DataTask, is_data_task, make_task, run_label
 from evalkit.tasks.ppl import Perplexity
 
@@ -119,7 +119,13 @@ class RunConfig:
     question_split: bool | None = setting(None, data=True)  # whether the data keeps the question apart from the context
 
     def validate(self) -> "RunConfig":
-        """Every setting checked before any work: the model's config is read (its window), never its weights."""
+        """Every setting checked before any work (`resolve`), this config left in canonical form."""
+        self.resolve()
+        return self
+
+    def resolve(self) -> "ResolvedRun":
+        """Every setting checked before any work: the model's config is read (its positions), never its weights.
+        The policy and the task are made here, once, and handed on to the runner with the config."""
         self.policy = POLICIES.canonical(self.policy)
         if not is_data_task(self.task):
             if self.task not in TASKS.names() and Path(self.task).is_file():
@@ -136,30 +142,26 @@ class RunConfig:
             if "bounds" in f.metadata and getattr(self, f.name) is not None:
                 _check_bounds(f.name, getattr(self, f.name), *f.metadata["bounds"])
         check_device(self.device)
-        self._check_budget()
+        policy = self._checked_policy()
         if is_data_task(self.task):
-            self._resolve_data()  # it reads the data, which the checks above need not wait for
+            task = self._resolve_data()  # it reads the data, which the checks above need not wait for
         else:
             self._refuse_data_options()
-            self._check_window()
-        self._check_rope()
-        return self
+            task = self._checked_task()
+        self._check_rope(policy)
+        return ResolvedRun(self, policy, task)
 
-    def _check_budget(self) -> None:
-        policy = self.make_policy()  # the granularity and policy args checked here
+    def _checked_policy(self) -> Policy:
+        """The policy, its granularity and arguments checked, its budget against the length and the model."""
+        policy = make_policy(self.policy, self.granularity, self.policy_args)
         refuse_contradiction(self.policy, self.granularity)
         policy.check_fits(self.length, max_positions_of(self.model))
         policy.check_budget(self.budget, self.block_size, self.length)
+        return policy
 
-    def make_policy(self):
-        return make_policy(self.policy, self.granularity, self.policy_args)
-
-    def generation_settings(self) -> GenerationSettings:
-        return GenerationSettings.from_options(self, self.make_policy())
-
-    def _check_window(self) -> None:
-        """Samples longer than the model's window are refused before any is built (a haystack of a
-        million tokens takes minutes and gigabytes to build)."""
+    def _checked_task(self) -> Task:
+        """The registered task, its samples refused before any is built where they are longer than the model's
+        positions (a haystack of a million tokens takes minutes and gigabytes to build)."""
         task = make_task(self)
         task.check_length(self.length)
         longest = task.longest(self.length) if isinstance(task, SizedBySettings) else self.length
@@ -168,18 +170,19 @@ class RunConfig:
         if limit and longest > limit:
             raise EvalkitError(f"a sample of {longest} positions (prompt + answer) does not fit, "
                                f"{self.model} has {limit}: lower {lower}")
+        return task
 
-    def _check_rope(self) -> None:
+    def _check_rope(self, policy: Policy) -> None:
         """A policy that applies the model's RoPE itself (Expected Attention's query moments and future positions,
         DuoAttention's calibration) reads one RoPE for every layer: refused on a model whose layer types rotate
         with their own (Gemma 3: sliding layers with base 10,000, global ones with 1,000,000)."""
         rope = getattr(model_config(self.model), "rope_parameters", None)
         per_layer_type = bool(rope) and isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
-        if per_layer_type and self.make_policy().applies_model_rope:
+        if per_layer_type and policy.applies_model_rope:
             raise EvalkitError(f"{self.policy} reads the model's RoPE, and {self.model} has one per layer type "
                                f"({', '.join(rope)}): not supported yet")
 
-    def _resolve_data(self) -> None:
+    def _resolve_data(self) -> DataTask:
         task = DataTask(self.task, self.data_format, self.metric, self.limit, self.offset, self.task_args)
         limit = max_positions_of(self.model)  # a giant record is refused here, before any model loads or tokenises it
         task.check_sizes(*((self.length,) if not limit or self.length <= limit else
@@ -187,6 +190,7 @@ class RunConfig:
         self.task, self.data_format, self.metric = task.name, task.data_format, task.metric
         self.offset, self.samples = task.indices.start, len(task.indices)
         self.data_sha256, self.question_split = task.sha256, task.question_split
+        return task
 
     def _refuse_data_options(self) -> None:
         if self.data_format == "auto":
@@ -226,6 +230,24 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run as `RunConfig.resolve` leaves it: the config in canonical form, and the policy and the task made
+    from it while checking it (a data task's records read and hashed once), for the runner to use as they are."""
+
+    config: RunConfig
+    policy: Policy
+    task: Task
+
+    def generation_settings(self) -> GenerationSettings:
+        return GenerationSettings.from_options(self.config, self.policy)
+
+    def full_cache(self) -> "ResolvedRun":
+        """This run's full-cache baseline (`RunConfig.full_cache`) on the same task object: nothing in it left to
+        check that this run's checks did not."""
+        return ResolvedRun(self.config.full_cache(), make_policy("full"), self.task)
 
 
 def _check_bounds(name: str, value, low, high, said: str) -> None:

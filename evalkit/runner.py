@@ -25,13 +25,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from evalkit.config import RunConfig, baseline_for, fields_where
+from evalkit.config import ResolvedRun, RunConfig, baseline_for, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.evaluations import evaluation_for
 from evalkit.loop import GenerationSettings
 from evalkit.models import load_model
 from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
-from evalkit.tasks.custom import make_task
 from evalkit.tasks.ppl import Perplexity
 
 _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
@@ -55,7 +54,7 @@ class Mirror(Protocol):
                 warn: Callable[[str], None]) -> str | None: ...
 
 
-def run(config: RunConfig, console: Console | None = None, wandb_mode: str | None = None,
+def run(config: RunConfig | ResolvedRun, console: Console | None = None, wandb_mode: str | None = None,
         mirror: Mirror | None = None) -> RunResult:
     """`wandb_mode`: the W&B mode already decided (a sweep decides once for its runs); None: decided
     here from `config.wandb`. `mirror`: the W&B mirror (`evalkit.integrations.wandb`, as `evalkit run`,
@@ -64,33 +63,40 @@ def run(config: RunConfig, console: Console | None = None, wandb_mode: str | Non
     return run_many([config], console, wandb_mode, mirror)[0]
 
 
-def run_many(configs: list[RunConfig], console: Console | None = None, wandb_mode: str | None = None,
-             mirror: Mirror | None = None, wait: bool = True) -> list[RunResult]:
+def run_many(runs: list[RunConfig | ResolvedRun], console: Console | None = None, wandb_mode: str | None = None,
+             mirror: Mirror | None = None, wait: bool = True, baselines: bool = False) -> list[RunResult]:
     """Several runs; those that differ only in what happens after a full prefill (policy, budget,
     granularity, layout, ...) prefill each sample once and fork it (`shared_prefill.SharedPrefill`), the
     rest run one after another. Each run's folder ends exactly as `run` alone would leave it. A folder
     another process holds is waited for, or with `wait=False` raises FolderBusy before its group runs
-    (the groups before it are done)."""
+    (the groups before it are done). A RunConfig is resolved here; a ResolvedRun (`evalkit run`, a sweep's
+    cells) is used as it is. With `baselines`, a run whose full-cache baseline is not stored makes it too
+    (`ResolvedRun.full_cache`), in the same prefill group."""
     console = console or Console(stderr=True)
-    for config in configs:
-        config.validate()
+    resolved = [run if isinstance(run, ResolvedRun) else run.resolve() for run in runs]
+    configs = [run.config for run in resolved]
+    if baselines:
+        stored = complete_runs(configs[0].out)
+        resolved += [run.full_cache() for run in resolved
+                     if run.config.policy != "full" and find_baseline(run.config, stored) is None]
     say = one_line(console)
     results: dict[str, RunResult] = {}
-    todo: dict[str, RunConfig] = {}  # by run id: a run asked for twice runs once
-    for config in configs:
-        run_dir = RunDir(config.out, config.run_id())
+    todo: dict[str, ResolvedRun] = {}  # by run id: a run asked for twice runs once
+    for run in resolved:
+        run_id = run.config.run_id()
+        run_dir = RunDir(run.config.out, run_id)
         if run_dir.complete:
-            results[config.run_id()] = RunResult(config.run_id(), str(run_dir.path), run_dir.metrics(), None, -1)
+            results[run_id] = RunResult(run_id, str(run_dir.path), run_dir.metrics(), None, -1)
         else:
-            check_writable_folder(config.out, "--out")
-            todo.setdefault(config.run_id(), config)
+            check_writable_folder(run.config.out, "--out")
+            todo.setdefault(run_id, run)
     if todo:
-        mode = _wandb_mode(next(iter(todo.values())), wandb_mode, mirror, say)
-        groups: dict[tuple, list[RunConfig]] = {}
-        for run_id, config in todo.items():
-            groups.setdefault(prefill_key(config) or (run_id,), []).append(config)
+        mode = _wandb_mode(next(iter(todo.values())).config, wandb_mode, mirror, say)
+        groups: dict[tuple, list[ResolvedRun]] = {}
+        for run_id, run in todo.items():
+            groups.setdefault(prefill_key(run.config) or (run_id,), []).append(run)
         for group in groups.values():
-            results.update(zip([c.run_id() for c in group], _run_group(group, mode, mirror, console, wait)))
+            results.update(zip([run.config.run_id() for run in group], _run_group(group, mode, mirror, console, wait)))
     # Baselines looked up last (a run's full-cache baseline may be one of the runs just made), reading
     # each results store once for all the runs: a sweep's group is dozens of runs.
     stores = {config.out: complete_runs(config.out) for config in configs}
@@ -132,25 +138,26 @@ class _RunInProgress:
         return {record["id"] for record in self.records}
 
 
-def _run_group(configs: list[RunConfig], mode: str, mirror: Mirror | None, console: Console,
+def _run_group(runs: list[ResolvedRun], mode: str, mirror: Mirror | None, console: Console,
                wait: bool) -> list[RunResult]:
     """Runs of the same samples under one model, each folder locked (one process per folder); with more
     than one, the prefill of each batch is shared. With `wait=False`, FolderBusy (nothing run, the locks
     taken so far released) where another process holds one of the folders."""
     say = one_line(console)
+    configs = [run.config for run in runs]
     run_dirs = [RunDir(c.out, c.run_id()) for c in configs]
     with contextlib.ExitStack() as locks:
         for run_dir in sorted(run_dirs, key=lambda d: str(d.path)):  # one order for every process: no deadlock
             locks.enter_context(run_dir.locked(lambda path=run_dir.path: say(
                 f"waiting for another evalkit process working on {path}"), wait=wait))
-        pending = [(c, d) for c, d in zip(configs, run_dirs) if not d.complete]  # finished while we waited?
-        resumed = dict(zip([c.run_id() for c, _ in pending], _run_locked(pending, mode, mirror, console))) \
+        pending = [(r, d) for r, d in zip(runs, run_dirs) if not d.complete]  # finished while we waited?
+        resumed = dict(zip([r.config.run_id() for r, _ in pending], _run_locked(pending, mode, mirror, console))) \
             if pending else {}
         return [RunResult(c.run_id(), str(d.path), d.metrics(), None, resumed.get(c.run_id(), -1))
                 for c, d in zip(configs, run_dirs)]
 
 
-def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirror | None,
+def _run_locked(pending: list[tuple[ResolvedRun, RunDir]], mode: str, mirror: Mirror | None,
                 console: Console) -> list[int]:
     """Runs every pending run to completion; returns how many samples each had recorded before."""
     say = one_line(console)
@@ -158,18 +165,17 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
         dropped = run_dir.repair()
         if dropped:
             say(f"note: {run_dir.predictions_path} held {dropped} repeated sample lines: kept the first of each")
-    first = pending[0][0]
-    task = make_task(first)
+    first, task = pending[0][0].config, pending[0][0].task
     torch.manual_seed(first.seed)
     with console.status(f"loading {first.model}"):
         model, tokenizer = load_model(first.model, first.dtype, first.device)
     with console.status(f"building {first.samples} samples of {first.length} tokens"):
         evaluation = evaluation_for(task, first, model, tokenizer)
     runs = []
-    for config, run_dir in pending:
-        settings = config.generation_settings()
-        runs.append(_RunInProgress(config, run_dir, settings, _provenance(config, settings.policy, model),
-                                   run_dir.predictions()))
+    for resolved, run_dir in pending:
+        settings = resolved.generation_settings()
+        runs.append(_RunInProgress(resolved.config, run_dir, settings,
+                                   _provenance(resolved.config, settings.policy, model), run_dir.predictions()))
 
     resumed_from = [len(ongoing.done) for ongoing in runs]
     total = len(evaluation.samples) * len(runs)
@@ -203,19 +209,24 @@ def _run_locked(pending: list[tuple[RunConfig, RunDir]], mode: str, mirror: Mirr
     order = {sample.id: i for i, sample in enumerate(evaluation.samples)}
     for ongoing in runs:
         ongoing.records.sort(key=lambda r: order.get(r["id"], len(order)))
-        metrics = evaluation.summarize(ongoing.records)
-        if isinstance(task, WritesArtifacts):
-            # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
-            task.write_artifacts(ongoing.records, ongoing.run_dir.path, ongoing.provenance["config"])
-        ongoing.run_dir.finish(metrics)
-        if mode != "off" and mirror is not None:
-            trouble: list[str] = []
-            with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
-                mirror.log_run(mode, ongoing.run_dir.path, ongoing.config.run_id(), ongoing.provenance, metrics,
-                               ongoing.records, trouble.append)
-            for line in trouble:
-                say(f"warning: {line}")
+        _finish(ongoing, evaluation.summarize(ongoing.records), task, mode, mirror, console)
     return resumed_from
+
+
+def _finish(ongoing: _RunInProgress, metrics: dict, task, mode: str, mirror: Mirror | None,
+            console: Console) -> None:
+    """A run's artifacts, then its metrics.json (which makes it complete), then its W&B mirror."""
+    if isinstance(task, WritesArtifacts):
+        # Before metrics.json: a run whose artifact was interrupted is not complete, and a rerun redraws it.
+        task.write_artifacts(ongoing.records, ongoing.run_dir.path, ongoing.provenance["config"])
+    ongoing.run_dir.finish(metrics)
+    if mode != "off" and mirror is not None:
+        trouble: list[str] = []
+        with console.status("logging to W&B"):  # lines printed under a status can be lost: said after it
+            mirror.log_run(mode, ongoing.run_dir.path, ongoing.config.run_id(), ongoing.provenance, metrics,
+                           ongoing.records, trouble.append)
+        for line in trouble:
+            one_line(console)(f"warning: {line}")
 
 
 def one_line(console: Console) -> Callable[[str], None]:

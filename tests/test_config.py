@@ -82,8 +82,8 @@ def test_policies_that_apply_the_model_s_rope_are_refused_on_gemma3(monkeypatch)
     monkeypatch.setattr(evalkit.config, "model_config", lambda name: tiny_config("gemma3"))
     for policy in ("expected_attention", "adakv_expected_attention", "critical_expected_attention", "duo_attention"):
         with pytest.raises(EvalkitError, match="has one per layer type"):
-            RunConfig(policy=policy)._check_rope()
-    RunConfig(policy="kvzip")._check_rope()
+            RunConfig(policy=policy)._check_rope(make_policy(policy))
+    RunConfig(policy="kvzip")._check_rope(make_policy("kvzip"))
 
 
 @pytest.mark.model  # RunConfig.validate on the default model reads its window (config.json)
@@ -173,7 +173,7 @@ def test_generation_settings_come_from_the_config_by_name():
     config = RunConfig(policy="snapkv", budget=64, layout="dense", block_size=8, prefill="chunked", chunk_size=128,
                        query_aware=False, decode_eviction=False, temperature=0.5, seed=3, pool_pages=99,
                        kernels="torch", policy_args={"window": "8"})
-    settings = config.validate().generation_settings()
+    settings = config.resolve().generation_settings()
     assert settings == GenerationSettings(make_policy("snapkv", None, {"window": "8"}), 64, "dense", 8, "chunked",
                                           128, False, False, 0.5, 3, 99, "torch")
 

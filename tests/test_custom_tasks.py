@@ -416,3 +416,31 @@ def test_a_record_over_the_models_window_is_refused_once_tokenised(monkeypatch, 
     assert code == 2 and "sample code-a needs" in err and f"{folder} has 40: lower the record" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.model  # `evalkit run` on the default model
+def test_a_run_and_its_baseline_read_the_data_once(monkeypatch, capsys, tmp_path):
+    """Validation makes the task (the records read and hashed) and the policy once; the runner and the baseline
+    use them as they are (`RunConfig.resolve`, `ResolvedRun.full_cache`)."""
+    import evalkit.tasks.custom as custom
+    from evalkit.policies import names
+
+    path = write_jsonl(tmp_path / "doors_and_cities.jsonl", KVPRESS)
+    made = {"tasks": 0, "policies": 0}
+    task_init, policy_made = custom.DataTask.__init__, names.make_policy
+
+    def counted_task(self, *args, **kwargs):
+        made["tasks"] += 1
+        task_init(self, *args, **kwargs)
+
+    def counted_policy(*args, **kwargs):
+        made["policies"] += 1
+        return policy_made(*args, **kwargs)
+
+    monkeypatch.setattr(custom.DataTask, "__init__", counted_task)
+    monkeypatch.setattr("evalkit.config.make_policy", counted_policy)
+    code, stdout, _ = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{path}", "--policy", "snapkv_head",
+                              "--budget", "0.5", "--limit", "2", "--out", str(tmp_path / "runs"), "--wandb", "off")
+    assert code == 0, stdout
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "runs").iterdir()) == ["full", "snapkv_head"]
+    assert made == {"tasks": 1, "policies": 2}  # the run's policy, and its baseline's `full`

@@ -99,7 +99,7 @@ def _run_local(plan: SweepPlan, cells: list[SweepCell], console, progress, bar) 
 
 def _run_cells(group: list[SweepCell], console, progress, bar, wait: bool) -> None:
     progress.update(bar, description=_label(group))
-    run_many([cell.config for cell in group], console, wandb_mode=group[0].config.wandb, mirror=wandb_mirror,
+    run_many([cell.run for cell in group], console, wandb_mode=group[0].config.wandb, mirror=wandb_mirror,
              wait=wait)
     progress.advance(bar, len(group))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import typer
 
-from evalkit.config import RunConfig, baseline_for, parse_policy_args, parse_task_args
+from evalkit.config import ResolvedRun, RunConfig, baseline_for, parse_policy_args, parse_task_args
 from evalkit.errors import EvalkitError
 from evalkit.models import model_source
 from evalkit.policies import fraction_of, parse_budget
@@ -38,11 +38,15 @@ MAX_CELLS = 10_000
 
 @dataclass
 class SweepCell:
-    """One run of the grid (or a full-cache baseline): its config, and so its run id and folder."""
+    """One run of the grid (or a full-cache baseline) as planning resolved it, and so its run id and folder."""
 
-    config: RunConfig
+    run: ResolvedRun
     baseline: bool
     policy: str  # what the grid calls it: the policy's label and its own args (`kvzip_head:layerwise=true`)
+
+    @property
+    def config(self) -> RunConfig:
+        return self.run.config
 
     @property
     def run_id(self) -> str:
@@ -215,9 +219,9 @@ def plan_sweep(settings: dict) -> SweepPlan:
             grid = [RunConfig(**{**fields_here, **variant}, budget=budget, task=task, length=length)
                     for variant in variants for budget in budgets]
             for config, is_baseline in [(baseline, True)] + [(c, False) for c in grid]:
-                config.validate()
+                resolved = config.resolve()
                 label = "full" if is_baseline else _label(config, base["policy_args"])
-                cells.setdefault(config.run_id(), SweepCell(config, is_baseline, label))
+                cells.setdefault(config.run_id(), SweepCell(resolved, is_baseline, label))
     grid = [c for c in cells.values() if not c.baseline]
     resolved = {"policies": list(dict.fromkeys(c.policy for c in grid)), "budgets": budgets,  # canonical labels
                 "tasks": list(dict.fromkeys(c.config.task for c in cells.values())), "lengths": lengths, **base}
