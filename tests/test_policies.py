@@ -25,7 +25,7 @@ def score_input(attention=None, keys=None, positions=None, stat_end=None, layer=
     positions = positions if positions is not None else torch.arange(N).expand(B, H, N)
     keys = keys if keys is not None else torch.zeros(B, H, N, 4)
     inp = ScoreInput(keys, positions, attention if attention is not None else torch.zeros(B, H, N), layer, seed)
-    inp.key_norms = keys.double().norm(dim=-1)  # what the storage keeps for a scorer that `reads_key_norms`
+    inp.key_norms = keys.double().norm(dim=-1)  # what the storage keeps for a scorer that reads them
     # Set after construction (not as a keyword) so that the same test runs on the pre-fix code, which had no
     # stat_end, and fails on its assertion rather than on a TypeError.
     inp.stat_end = torch.as_tensor(stat_end) if stat_end is not None else None
@@ -599,3 +599,26 @@ def test_streaming_llm_keeps_the_sinks_and_the_most_recent_tokens():
              observe=grab)
     # 12 tokens: sinks 0..3, then the 8 most recent of 40
     assert all(k == {0, 1, 2, 3, *range(32, 40)} for k in kept.values())
+
+
+def test_a_score_input_gathers_only_what_the_scorer_reads():
+    """`ScoreInput.sources`: each field made on its first read, once; a scorer of the statistic alone (H2O) makes
+    none, KeyDiff the keys only, LagKV the keys and values."""
+    B, H, N, D = 1, 2, 6, 4
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"keys": torch.randn(B, H, N, D, generator=generator), "values": torch.randn(B, H, N, D, generator=generator),
+               "key_norms": torch.rand(B, H, N, generator=generator, dtype=torch.float64)}
+    for name, wanted in (("h2o_head", set()), ("keydiff_head", {"keys"}), ("lagkv_head", {"keys", "values"}),
+                         ("knorm", {"key_norms"})):
+        made = []
+
+        def source(field):
+            return lambda: made.append(field) or tensors[field]
+
+        inp = ScoreInput(None, torch.arange(N).expand(B, H, N), torch.rand(B, H, N, generator=generator), 0, 0,
+                         torch.tensor([N]), caps=torch.tensor([3]), sources={f: source(f) for f in tensors})
+        make_policy(name).score(inp)
+        assert set(made) == wanted and len(made) == len(wanted), name
+        for field in wanted:  # read again: the same tensor, not made twice
+            assert getattr(inp, field) is tensors[field]
+        assert len(made) == len(wanted)

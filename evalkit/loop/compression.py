@@ -153,15 +153,11 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
 
 def score_input(state: LoopState, view, layer_idx: int, caps: torch.Tensor, stat_end: torch.Tensor,
                 span: int | None = None) -> ScoreInput:
-    """What the policy's scorer reads of one layer's `view` (a `SlotView`): only what it asks for is gathered."""
-    policy = state.policy
-    return ScoreInput(
-        view.k if policy.reads_keys else None, view.pos, view.stats, layer_idx, state.settings.seed, stat_end,
-        view.key_norms if policy.reads_key_norms else None, values=view.v if policy.reads_values else None, caps=caps,
-        queries=state.moments[0] if policy.reads_query_moments else None,
-        rope=rope_of(state.model) if policy.reads_query_moments else None,
-        output_projection=output_projection(state.model, layer_idx) if policy.reads_output_projection else None,
-        span=span)
+    """What the policy's scorer reads of one layer's `view` (a `SlotView`): what it reads is gathered then."""
+    return ScoreInput(None, view.pos, view.stats, layer_idx, state.settings.seed, stat_end, caps=caps, span=span,
+                      sources={"keys": lambda: view.k, "key_norms": lambda: view.key_norms, "values": lambda: view.v,
+                               "queries": lambda: state.moments[0], "rope": lambda: rope_of(state.model),
+                               "output_projection": lambda: output_projection(state.model, layer_idx)})
 
 
 def _within_pooled(views, caps: torch.Tensor) -> bool:

@@ -17,23 +17,39 @@ from evalkit.policies.query_moments import QueryMoments
 from evalkit.policies.selection import PAGE_GRANULARITIES, Granularity, keep_mask
 
 
+# What a scorer may read that costs a gather or a copy: read on first use only (`ScoreInput.sources`).
+_READ_ON_DEMAND = frozenset({"keys", "key_norms", "values", "queries", "rope", "output_projection"})
+
+
 @dataclass
 class ScoreInput:
-    """What a scorer may look at for one layer, per (sequence, KV head) slot; ragged heads padded."""
+    """What a scorer may look at for one layer, per (sequence, KV head) slot; ragged heads padded. The fields
+    that cost a gather or a copy are made when the scorer first reads them (from `sources`), as `SlotView`
+    gathers its slots, so a scorer declares nothing about what it reads."""
 
-    keys: torch.Tensor | None  # [B, H_kv, N, D] post-RoPE keys; None unless the policy `reads_keys`
+    keys: torch.Tensor | None  # [B, H_kv, N, D] post-RoPE keys
     positions: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty slot
     statistic: torch.Tensor  # [B, H_kv, N] what the attention function collected (`collect_*`; zeros if nothing)
     layer: int
     seed: int
     stat_end: torch.Tensor | None = None  # [B] tokens seen at the last forward that collected the statistic
-    key_norms: torch.Tensor | None = None  # [B, H_kv, N] float64 L2 norms of the keys; None unless `reads_key_norms`
-    values: torch.Tensor | None = None  # [B, H_kv, N, D]; None unless `reads_values`
+    key_norms: torch.Tensor | None = None  # [B, H_kv, N] float64 L2 norms of the keys (kept by the storage)
+    values: torch.Tensor | None = None  # [B, H_kv, N, D]
     caps: torch.Tensor | None = None  # [B] tokens per KV head this layer keeps (before any reallocation)
-    queries: QueryMoments | None = None  # the prompt queries' moments; None unless `reads_query_moments`
+    queries: QueryMoments | None = None  # the prompt queries' moments (collected with `reads_query_moments`)
     rope: Callable | None = None  # positions [B, n] -> (cos, sin) [B, n, D] of the model's RoPE (with `queries`)
-    output_projection: torch.Tensor | None = None  # [hidden, H_q * D] o_proj weight; None unless `reads_output_projection`
+    output_projection: torch.Tensor | None = None  # [hidden, H_q * D] o_proj weight
     span: int | None = None  # a static decode step's bound on the positions (`loop.static_decode`); None: their max + 1
+    sources: dict[str, Callable[[], object]] = field(default_factory=dict, repr=False)  # field -> its maker
+
+    def __getattribute__(self, name: str):
+        value = object.__getattribute__(self, name)
+        if value is None and name in _READ_ON_DEMAND:
+            make = object.__getattribute__(self, "sources").pop(name, None)
+            if make is not None:
+                value = make()
+                object.__setattr__(self, name, value)
+        return value
 
 
 PROMPT = "the prompt"  # a hyper-parameter's upper bound: at most the run's prompt tokens (`check_fits`)
@@ -80,12 +96,8 @@ class Policy:
     collect_decode: ClassVar[str | None] = None
     evicts: ClassVar[bool] = True  # False: keeps everything whatever the budget
     restricts_reads: ClassVar[bool] = False  # True: `attended_slots` limits what decode queries read
-    reads_keys: ClassVar[bool] = False  # True: `score` reads ScoreInput.keys (gathered for it only then)
-    reads_key_norms: ClassVar[bool] = False  # True: `score` reads ScoreInput.key_norms (kept by the storage)
-    reads_values: ClassVar[bool] = False  # True: `score` reads ScoreInput.values
     reads_query_moments: ClassVar[bool] = False  # True: the prefill sums its queries' moments (`QueryMoments`)
     applies_model_rope: ClassVar[bool] = False  # True: it rotates queries or keys with the model's one RoPE itself
-    reads_output_projection: ClassVar[bool] = False  # True: `score` reads the layer's o_proj weight
     reconstructs: ClassVar[bool] = False  # True: the loop runs a context-reconstruction forward (KVzip) after the prefill
     not_static: ClassVar[str] = ""  # why its decode cannot run as a static step (`loop.static_decode`), if it cannot
     cannot_run_at: ClassVar[dict[str, str]] = {}  # granularity -> why this policy refuses it

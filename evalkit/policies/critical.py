@@ -26,7 +26,6 @@ def critical_of(wrapped: type[Policy]) -> type[Policy]:
         paper = ("CriticalKV: Identify Critical KV Cache in LLM Inference from an Output Perturbation "
                  "Perspective (arXiv:2502.03805)")
         kvpress = f"CriticalKVPress({wrapped.kvpress.split(' ')[0]})" if wrapped.kvpress else ""
-        reads_values = reads_output_projection = True
         # kvpress's CriticalKVPress(epsilon=); a wrapped scorer's own epsilon (Expected Attention's) as scorer_epsilon
         arg_aliases = {**wrapped.arg_aliases, "epsilon": "critical_epsilon",
                        **({"scorer_epsilon": "epsilon"} if "epsilon" in wrapped.__dataclass_fields__ else {})}

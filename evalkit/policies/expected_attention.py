@@ -29,7 +29,7 @@ class ExpectedAttention(Policy):
     paper = "Expected Attention: KV Cache Compression by Estimating Attention from Future Queries Distribution (arXiv:2510.00636)"
     kvpress = "ExpectedAttentionPress"
     differs = "decode eviction scores decoded keys with the prompt's query statistics (kvpress compresses the prefill only)"
-    reads_keys = reads_values = reads_query_moments = applies_model_rope = True
+    reads_query_moments = applies_model_rope = True
     arg_aliases = {"n_future": "n_future_positions", "n_sink": "sink_tokens"}
 
     def score(self, inp: ScoreInput) -> torch.Tensor:

@@ -20,7 +20,6 @@ class KeyDiff(Policy):
     paper = "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference (arXiv:2504.15364)"
     kvpress = "KeyDiffPress"
     differs = "scores the whole prompt at once as kvpress's KeyDiffPress, not block by block as the paper"
-    reads_keys = True
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         live = (inp.positions >= 0)[..., None]  # [B, H_kv, N, 1]

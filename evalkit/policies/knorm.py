@@ -14,7 +14,6 @@ class KeyNorm(Policy):
     scorer = "negative key L2 norm"
     paper = "A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (arXiv:2406.11430)"
     kvpress = "KnormPress"
-    reads_key_norms = True
 
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return -inp.key_norms  # float64, computed once per stored key

@@ -27,7 +27,6 @@ class LagKV(Policy):
     scorer = "lag-relative key/value spread"
     paper = "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are Important (arXiv:2504.04704)"
     kvpress = "LagKVPress"
-    reads_keys = reads_values = True
     arg_aliases = {"lag": "lag_size"}
     not_static = "LagKV partitions each head's tokens by their count, read on the host head by head"
 
