@@ -13,7 +13,10 @@ import bisect
 import torch
 import torch.nn.functional as F
 
+from evalkit.flash_ops import attention_with_lse
 from evalkit.kernels import use_triton
+# Re-exported for tests/test_reconstruction_ops.py, which imports it from here.
+from evalkit.flash_ops import attention_with_lse_reference  # noqa: F401
 
 # Block sizes, chosen by timing them (docs/benchmarks-history.md):
 _ELEMENTS_PER_BLOCK = 1 << 23  # a query block's scores: 32 MiB of float32; larger blocks are no faster
@@ -47,15 +50,10 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
         _, stats = attention_reference(q[:, :, first:], q_pos[:, first:], counted[:, first:], k, v, k_pos,
                                        scaling, sliding_window, "attention")
         return out, stats
-    if collect is None and k_pos is not None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
-    if collect is None and T == 1:
-        allowed = None if k_pos is None else visible(q_pos[:, None, :], k_pos, sliding_window)  # [B, H_kv, N]
-        if allowed is None or bool(allowed.all()):  # no hole, no padding: no mask, the same bits, a faster kernel
-            return decode_attention(q, k, v, scaling), None
-        allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
-        return decode_attention(q, k, v, scaling, allowed[:, :, None, :]), None
+    if collect is None:
+        out = _unblocked_attention(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window)
+        if out is not None:
+            return out, None
     q = q.view(B, H_kv, G, T, D)
     out = torch.empty(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
     stats = torch.zeros(B, H_kv, N, dtype=torch.float32, device=q.device) if collect else None
@@ -64,7 +62,6 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
     for start in range(0, T, block):
         stop = min(T, start + block)
         first, end = _key_range(start, stop, N, sliding_window) if keys_in_order else (0, N)
-        n = end - first
         k_block, v_block = k[:, :, first:end], v[:, :, first:end]  # [B, H_kv, n, D]
         allowed = None  # every slot visible
         if k_pos is not None:  # queries [B, 1, 1, t, 1] against slots [B, H_kv, 1, 1, n]
@@ -73,24 +70,57 @@ def attention_reference(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window=
             if not all_valid:  # a padding query may see no slot; let it see all rather than produce NaN
                 allowed |= ~allowed.any(-1, keepdim=True)
         q_block = q[:, :, :, start:stop]  # [B, H_kv, G, t, D]
-        t = stop - start
         if stats is None:
-            mask = None if allowed is None else allowed.expand(B, H_kv, G, t, n).reshape(B, H_q, t, n)
-            o = F.scaled_dot_product_attention(q_block.reshape(B, H_q, t, D), k_block, v_block, attn_mask=mask,
-                                               scale=scaling, enable_gqa=True)
-            out[:, :, :, start:stop] = o.view(B, H_kv, G, t, D)
+            out[:, :, :, start:stop] = _block_attention(q_block, k_block, v_block, allowed, scaling)
             continue
-        # Queries of a group stacked as rows: one matmul per KV head, K and V never repeated.
-        scores = torch.matmul(q_block.reshape(B, H_kv, G * t, D), k_block.transpose(-1, -2)).view(B, H_kv, G, t, n)
-        scores = scores.mul_(scaling)  # in place: no second score block
-        if allowed is not None:
-            scores.masked_fill_(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[:, :, :, start:stop] = torch.matmul(probs.view(B, H_kv, G * t, n), v_block).view(B, H_kv, G, t, D)
+        out[:, :, :, start:stop], probs = _block_attention_with_probabilities(q_block, k_block, v_block, allowed,
+                                                                              scaling)
         if not all_valid:
             probs = probs * q_valid[:, None, None, start:stop, None]
         stats[..., first:end] += probs.float().sum(dim=3).mean(dim=2)
     return out.view(B, H_q, T, D).transpose(1, 2), stats
+
+
+def _unblocked_attention(q, q_pos, q_valid, k, v, k_pos, scaling, sliding_window):
+    """`attention_reference` without a statistic where one call does it all: a fresh prompt through SDPA's
+    causal kernel, one new token through `decode_attention`. out: [B, T, H_q, D], or None where neither
+    applies (the query blocks then)."""
+    if k_pos is not None and _is_fresh_causal(q_pos, q_valid, k_pos, sliding_window):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+    if q.shape[2] != 1:
+        return None
+    allowed = None if k_pos is None else visible(q_pos[:, None, :], k_pos, sliding_window)  # [B, H_kv, N]
+    if allowed is None or bool(allowed.all()):  # no hole, no padding: no mask, the same bits, a faster kernel
+        return decode_attention(q, k, v, scaling)
+    allowed |= ~allowed.any(-1, keepdim=True)  # a padding query may see no slot: let it see all, not NaN
+    return decode_attention(q, k, v, scaling, allowed[:, :, None, :])
+
+
+def _block_attention(q_block, k_block, v_block, allowed, scaling):
+    """One block of queries q_block [B, H_kv, G, t, D] over k_block, v_block [B, H_kv, n, D] through SDPA;
+    `allowed` [B, H_kv or 1, 1, t, n] (None: every slot). Returns [B, H_kv, G, t, D]."""
+    B, H_kv, G, t, D = q_block.shape
+    n = k_block.shape[2]
+    mask = None if allowed is None else allowed.expand(B, H_kv, G, t, n).reshape(B, H_kv * G, t, n)
+    out = F.scaled_dot_product_attention(q_block.reshape(B, H_kv * G, t, D), k_block, v_block, attn_mask=mask,
+                                         scale=scaling, enable_gqa=True)
+    return out.view(B, H_kv, G, t, D)
+
+
+def _block_attention_with_probabilities(q_block, k_block, v_block, allowed, scaling):
+    """`_block_attention` with the probabilities it attends with: (out [B, H_kv, G, t, D], probs [B, H_kv, G,
+    t, n] in q's dtype)."""
+    B, H_kv, G, t, D = q_block.shape
+    n = k_block.shape[2]
+    # Queries of a group stacked as rows: one matmul per KV head, K and V never repeated.
+    scores = torch.matmul(q_block.reshape(B, H_kv, G * t, D), k_block.transpose(-1, -2)).view(B, H_kv, G, t, n)
+    scores = scores.mul_(scaling)  # in place: no second score block
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_block.dtype)
+    out = torch.matmul(probs.view(B, H_kv, G * t, n), v_block).view(B, H_kv, G, t, D)
+    return out, probs
 
 
 def _key_range(start: int, stop: int, N: int, sliding_window) -> tuple[int, int]:
@@ -172,61 +202,6 @@ def prefill_route(q, kernels: str) -> str:
     if use_triton(kernels, q):
         return "flash+kernel"
     return "flash+tiles" if q.device.type == "cpu" else "sdpa"
-
-
-def attention_with_lse(q, k, v, scaling, allowed=None, causal=False):
-    """Attention of q [B, H_q, T, D] over k, v [B, H_kv, N, D] with each row's log-sum-exp: out [B, H_q, T, D],
-    lse [B, H_q, T] (natural log; -inf, with out 0, for a row that sees no key). `allowed`: bool
-    [B, H_kv or 1, T or 1, N], the keys each query may read (None: all); `causal`: query i reads keys 0..i
-    (T == N). On a CPU the flash kernel SDPA itself runs (query head h reads KV head h // G, no copy; a bool
-    mask as the additive one SDPA makes: the same bits as SDPA); on CUDA a causal unmasked prompt takes the
-    flash kernel in half precision, else the memory-efficient one, K and V repeated per query head;
-    anything else `attention_with_lse_reference`."""
-    if q.device.type == "cpu":
-        mask = None
-        if allowed is not None:  # a KV head's row for each of its query heads
-            allowed = allowed.repeat_interleave(q.shape[1] // allowed.shape[1], 1) if allowed.shape[1] > 1 else allowed
-            mask = torch.zeros(allowed.shape, dtype=q.dtype).masked_fill_(~allowed, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                              scale=scaling)[:2]
-        if allowed is not None:  # the kernel gives a row that sees nothing lse 0; no key means -inf
-            lse = lse.masked_fill(~allowed.any(-1), float("-inf"))
-        return out, lse
-    if allowed is not None or not causal:
-        return attention_with_lse_reference(q, k, v, scaling, allowed, causal)
-    G = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(G, dim=1) if G > 1 else x for x in (k, v))
-    if q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scaling)[:2]
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True,
-                                                                          scale=scaling)[:2]
-    return out, lse[..., :q.shape[2]].float()
-
-
-def attention_with_lse_reference(q, k, v, scaling, allowed=None, causal=False):
-    """`attention_with_lse` in plain torch: a softmax per query block, K and V never repeated."""
-    B, H_q, T, D = q.shape
-    H_kv, N = k.shape[1], k.shape[2]
-    G = H_q // H_kv
-    if causal:
-        allowed = torch.ones(T, N, dtype=torch.bool, device=q.device).tril()[None, None]
-    out = torch.zeros(B, H_kv, G, T, D, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H_kv, G, T, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
-    q = q.view(B, H_kv, G, T, D)
-    block = max(1, _ELEMENTS_PER_BLOCK // max(1, B * H_q * N))
-    for start in range(0, T, block):
-        rows = slice(start, min(T, start + block))
-        t = rows.stop - rows.start
-        scores = torch.matmul(q[:, :, :, rows].reshape(B, H_kv, G * t, D), k.transpose(-1, -2))
-        scores = scores.view(B, H_kv, G, t, N).to(lse.dtype) * scaling
-        if allowed is not None:
-            seen = allowed[:, :, rows] if allowed.shape[2] > 1 else allowed
-            scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
-        lse[:, :, :, rows] = scores.logsumexp(-1)
-        probs = (scores - lse[:, :, :, rows, None]).exp().nan_to_num(0.0)  # a row that sees nothing: zeros
-        out[:, :, :, rows] = torch.matmul(probs.to(v.dtype).view(B, H_kv, G * t, N), v).view(B, H_kv, G, t, D)
-    return out.view(B, H_q, T, D), lse.view(B, H_q, T)
 
 
 def _kernel_statistics(q, q_pos, counted, k, scaling, lse):

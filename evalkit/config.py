@@ -1,4 +1,5 @@
-"""The one validated object a run is made from; everything in it is checked before any work starts."""
+"""The options a run is made from (`RunConfig`), all checked before any work starts, and the run they resolve to
+(`ResolvedRun`: the config with its policy and task, made once)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A reconstruction query reads the layer's held slots (the context) and the reconstruction tokens before it,
 which are never stored. Both attentions, and the score's softmax over a subset of them, are partial
-attentions over disjoint key sets, each with its rows' log-sum-exp (`attention_ops.attention_with_lse`),
+attentions over disjoint key sets, each with its rows' log-sum-exp (`flash_ops.attention_with_lse`),
 combined exactly (`merge_attention`); the score then needs one matmul over the held keys and a max, never a
 probability matrix (`most_probability`).
 """
@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from evalkit.attention_ops import attention_with_lse
+from evalkit.flash_ops import attention_with_lse
 
 # A block of `most_probability`'s log-probabilities: 4 MiB of float32; timed on 2 cores against 2^19 to 2^23
 # (SmolLM2 at 2k: 0.043 s a layer against 0.051 to 0.049), and rows times keys against keys times rows (0.061).

@@ -63,8 +63,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from evalkit.bench import isolation  # noqa: E402
 from evalkit.bench.checks import items, parse_length  # noqa: E402
-from evalkit.bench.generations import (EVALKIT_LOOP, FULL, HF_LOOP, BenchCell, BenchSettings,  # noqa: E402
-                                       eos_disabled, measure_cell, random_model, random_prompts)
+from evalkit.bench.cells import EVALKIT_LOOP, FULL, HF_LOOP, BenchCell, BenchSettings  # noqa: E402
+from evalkit.bench.generations import eos_disabled, measure_cell, random_model, random_prompts  # noqa: E402
 from evalkit.cache import KVCache, PoolExhausted, model_kv_shape  # noqa: E402
 from evalkit.errors import EvalkitError  # noqa: E402
 from evalkit.loop import GenerationSettings, Request, generate  # noqa: E402

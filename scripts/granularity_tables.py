@@ -74,7 +74,8 @@ from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies.names import policy_family, policy_label
 from evalkit.results import RunDir
-from evalkit.uncertainty import ALPHA, Comparison, compare, score_interval
+from evalkit.uncertainty import Comparison, compare, score_interval
+from evalkit.uncertainty.settings import ALPHA
 
 STUDY_BLOCK_SIZE = 16  # the study's block; other sizes are the block-size slice's (`block_table`)
 # A full cache scoring below this fails the task by itself: there eviction has little left to lose, and

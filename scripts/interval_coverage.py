@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 from scipy import integrate, stats
 
-from evalkit.uncertainty import _newcombe_interval, compare
+from evalkit.uncertainty import compare
+from evalkit.uncertainty.intervals import _newcombe_interval
 
 PASS_FAIL = [(0.4, 0.1, 0.1, 0.4), (0.7, 0.2, 0.05, 0.05), (0.1, 0.3, 0.1, 0.5), (0.3, 0.0, 0.2, 0.5),
              (0.05, 0.4, 0.05, 0.5)]  # (both, only A, only B, neither)

@@ -21,7 +21,8 @@ from statsmodels.stats.multitest import multipletests
 
 from evalkit.policies.names import policy_family
 from evalkit.report.answer import policy_name
-from evalkit.uncertainty import ALPHA, compare, score_interval
+from evalkit.uncertainty import compare, score_interval
+from evalkit.uncertainty.settings import ALPHA
 
 GRANULARITIES = ("head", "head_page", "token", "page")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.bench.generations import BenchSettings
+from evalkit.bench.cells import BenchSettings
 from evalkit.cache import LAYOUTS
 from evalkit.config import DTYPES, SEED_LIMIT, parse_policy_args
 from evalkit.errors import EvalkitError

@@ -1,7 +1,7 @@
 """`evalkit bench`: speed and memory of every policy against the full cache and HF `generate`, in one run.
 
 This module is the command line only: its options, checked by `evalkit.bench.checks`, then the grid
-measured by `evalkit.bench.grid` (or, with --speed, the main job's speed by `evalkit.bench.speed`).
+measured by `evalkit.bench.grid` (or, with --speed, the main job's speed by `evalkit.bench.speed_command`).
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def bench(
     """Time and memory of each policy × budget × length against the full cache and HF generate, same run."""
     # Checking the options imports torch and transformers (policies, the model's config): imported when
     # `evalkit bench` runs, so that the command line starts without them.
-    from evalkit.bench import checks, speed as speed_measurements
+    from evalkit.bench import checks, speed_command
 
     if speed:
-        speed_measurements.run_measurements(speed, model, lengths, repeats, threads, samples, out_dir)
+        speed_command.run_measurements(speed, model, lengths, repeats, threads, samples, out_dir)
         return
     settings, grid = checks.check_grid(
         model=model, new_tokens=new_tokens, batch=batch, repeats=repeats, block_size=block_size, dtype=dtype,

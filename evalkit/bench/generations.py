@@ -1,8 +1,8 @@
 """Speed and memory of the generation loop, one measurement per fresh process.
 
-A *cell* (`BenchCell`) is one (loop, policy, budget, layout, length): the evalkit loop under a policy, or HF
-`generate` as the baseline. `measure_cell` runs in a child process (see `evalkit.bench.isolation`) and returns
-plain numbers; the parent never loads the model.
+A *cell* (`evalkit.bench.cells.BenchCell`) is one (loop, policy, budget, layout, length): the evalkit loop
+under a policy, or HF `generate` as the baseline. `measure_cell` runs in a child process (see
+`evalkit.bench.isolation`) and returns plain numbers; the parent never loads the model.
 
 Time. On CPU, `time.perf_counter`; on CUDA, `torch.cuda.Event`s read after a synchronize. The
 loop's `observe` hook marks the end of the prompt's forward, the end of compression and every
@@ -28,68 +28,27 @@ method recorded. On CUDA, `torch.cuda.max_memory_allocated` after a reset as wel
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
+from evalkit.bench.cells import EVALKIT_LOOP, FULL, HF_LOOP, BenchCell, BenchSettings
 from evalkit.bench.isolation import Clock, PeakMemory
+# Re-exported for tests/test_bench.py, which imports them from here.
+from evalkit.bench.cells import grid_cells  # noqa: F401
+from evalkit.bench.targets import compare_with_full, targets  # noqa: F401
 from evalkit.errors import EvalkitError
 from evalkit.loop import GenerationSettings, Request, generate
 from evalkit.models import load_model, resolve_device, resolve_dtype
 from evalkit.policies import make_policy
 from evalkit.tasks.haystack import haystack_text
 
-HF_LOOP = "hf"
-EVALKIT_LOOP = "evalkit"
-FULL = "full"
 WARMUP_PROMPT_TOKENS = 128
 QUESTION = "\nQuestion: What does the author think is the best way to find startup ideas?\nAnswer:"
 _ROW_OFFSET = 1000  # haystack tokens between the starts of two prompts of a batch
-
-
-@dataclass(frozen=True)
-class BenchSettings:
-    """What every cell of one benchmark shares; results measured under other settings are not reused."""
-
-    model: str
-    new_tokens: int
-    batch: int
-    repeats: int
-    block_size: int
-    dtype: str
-    device: str
-    seed: int
-    threads: int  # torch threads in each measurement; 0: torch's default (one per core)
-    decode_eviction: bool = True  # keep the cache at budget while decoding (one eviction per token), as `run` does
-    policy_args: dict = field(default_factory=dict)  # `--policy-arg` hyper-parameters for every policy
-
-
-@dataclass(frozen=True)
-class BenchCell:
-    """One measurement of the grid: a loop (evalkit's under a policy, or HF's) at one budget, layout and length."""
-
-    loop: str  # EVALKIT_LOOP or HF_LOOP
-    policy: str  # FULL for the full cache; HF_LOOP for the baseline
-    budget: float | int
-    layout: str  # "paged", "dense"; HF's own cache for the baseline
-    length: int  # prompt + new tokens
-    granularity: str | None = None  # None: the policy's own
-
-    @property
-    def key(self) -> str:
-        key = f"{self.loop}/{self.policy}/{self.budget}/{self.layout}/{self.length}"
-        return key + (f"/{self.granularity}" if self.granularity else "")
-
-    @property
-    def label(self) -> str:
-        if self.loop == HF_LOOP:
-            return "HF generate"
-        name = self.policy + (f"[{self.granularity}]" if self.granularity else "")
-        return name if self.policy == FULL else f"{name} @ {self.budget}"
 
 
 # --- prompts ------------------------------------------------------------------------------------
@@ -298,89 +257,3 @@ def summarise(cell: BenchCell, runs: list[dict], memory: dict, device: str, thre
         row["held_over_ideal"] = last["bytes_held"] / last["bytes_ideal"]
         row["held_over_full"] = last["bytes_held"] / last["bytes_full"]
     return row
-
-
-# --- the grid and the comparisons -----------------------------------------------------------------
-
-def grid_cells(policies: list[str], budgets: list, layouts: list[str], lengths: list[int],
-               granularities: list[str | None] = (None,)) -> list[BenchCell]:
-    """Per length: HF's baseline, the full cache on every layout, then every policy × granularity × budget ×
-    layout (granularity None: the policy's own)."""
-    cells = []
-    for length in lengths:
-        cells.append(BenchCell(HF_LOOP, HF_LOOP, 1.0, "hf", length))
-        cells += [BenchCell(EVALKIT_LOOP, FULL, 1.0, layout, length) for layout in layouts]
-        cells += [BenchCell(EVALKIT_LOOP, policy, budget, layout, length, granularity)
-                  for policy in policies if policy != FULL for granularity in granularities
-                  for budget in budgets for layout in layouts]
-    return cells
-
-
-def compare_with_full(rows: list[dict]) -> None:
-    """Adds to each row its ratios against the full cache measured in the same grid (same layout, length)."""
-    full = {(r["layout"], r["length"]): r for r in rows if r["policy"] == FULL}
-    paged_full = {r["length"]: r for r in rows if r["policy"] == FULL and r["layout"] == "paged"}
-    for row in rows:
-        reference = full.get((row["layout"], row["length"])) or paged_full.get(row["length"])
-        if reference is None or row is reference:
-            continue
-        row["vs_full"] = {
-            "tokens_per_s": row["tokens_per_s"] / reference["tokens_per_s"],
-            "decode_step": row["decode_step_seconds"] / reference["decode_step_seconds"],
-            "prefill_seconds": (row["prefill_seconds"] + row["compression_seconds"])
-            / (reference["prefill_seconds"] + reference["compression_seconds"]),
-            "peak_rss": row["peak_rss_bytes"] / reference["peak_rss_bytes"],
-            "working": row["working_bytes"] / max(1, reference["working_bytes"]),
-        }
-
-
-TARGET_LOOP_VS_HF = 0.9
-TARGET_DECODE_STEP = 0.8
-TARGET_DECODE_BUDGET = 0.2
-TARGET_PAGED_OVER_IDEAL = 1.05
-TARGET_STATISTICS_MEMORY = 1.2
-
-
-def targets(rows: list[dict], collects_attention: set[str], block_size: int) -> list[dict]:
-    """The issue's targets, evaluated on whatever cells this grid holds (a target with no cell is absent).
-
-    `collects_attention`: policies whose prefill gathers H2O's column sums.
-    """
-    found = []
-
-    def add(name, row, value, threshold, met, note=""):
-        found.append({"target": name, "cell": row["key"], "label": row["label"], "layout": row["layout"],
-                      "length": row["length"], "value": value, "threshold": threshold, "met": bool(met),
-                      "note": note})
-
-    by_key = {(r["loop"], r["policy"], r["layout"], r["length"]): r for r in rows}
-    for row in rows:
-        if row["loop"] == HF_LOOP:
-            full = by_key.get((EVALKIT_LOOP, FULL, "paged", row["length"]))
-            if full:
-                same = full["token_ids"] == row["token_ids"]
-                add("full-cache loop tokens/s / HF generate tokens/s", full,
-                    full["tokens_per_s"] / row["tokens_per_s"], f">= {TARGET_LOOP_VS_HF}",
-                    full["tokens_per_s"] / row["tokens_per_s"] >= TARGET_LOOP_VS_HF,
-                    "identical token ids" if same else "TOKEN IDS DIFFER")
-            continue
-        if row["policy"] == FULL or "vs_full" not in row:
-            continue
-        evicting = row["bytes_ideal"] < row["bytes_full"]
-        if row["budget"] == TARGET_DECODE_BUDGET:
-            add("decode step / full-cache decode step", row, row["vs_full"]["decode_step"],
-                f"<= {TARGET_DECODE_STEP}", row["vs_full"]["decode_step"] <= TARGET_DECODE_STEP)
-        if row["layout"] == "paged" and evicting:
-            kept = row["kept_tokens"]
-            floor = math.ceil(kept / block_size) * block_size / kept
-            add("paged KV bytes held / ideal", row, row["held_over_ideal"], f"<= {TARGET_PAGED_OVER_IDEAL}",
-                row["held_over_ideal"] <= TARGET_PAGED_OVER_IDEAL,
-                f"page floor ceil(k/S)*S/k at the mean k = {kept:.0f}: {floor:.3f}")
-        if row["layout"] == "dense":
-            add("dense KV bytes held / capacity", row, row["bytes_held"] / row["storage_bytes"], "== 1",
-                row["bytes_held"] == row["storage_bytes"])
-        if row["policy"] in collects_attention:
-            add("peak process memory / full cache's", row, row["vs_full"]["peak_rss"],
-                f"<= {TARGET_STATISTICS_MEMORY}", row["vs_full"]["peak_rss"] <= TARGET_STATISTICS_MEMORY,
-                f"working set above the loaded model: {row['vs_full']['working']:.2f}x")
-    return found

@@ -1,6 +1,7 @@
-"""`evalkit bench`'s grid, measured: every cell (`generations.BenchCell`) and component point in its own
-process, under a progress bar; what is measured is kept in `<out>/bench.json` after every cell (a rerun
-with the same settings measures only what is missing); then the targets, the tables and the plots.
+"""`evalkit bench`'s grid, measured: every cell (`cells.BenchCell`, by `generations.measure_cell`) and
+component point in its own process, under a progress bar; what is measured is kept in `<out>/bench.json`
+after every cell (a rerun with the same settings measures only what is missing); then the targets
+(`evalkit.bench.targets`), the tables and the plots.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from evalkit.bench import components, generations, isolation
+from evalkit.bench import components, isolation
+from evalkit.bench.cells import BenchCell, BenchSettings, grid_cells
 from evalkit.bench.checks import BenchGrid
-from evalkit.bench.generations import BenchSettings
+from evalkit.bench.generations import measure_cell
 from evalkit.bench.report import plot_cells, plot_components, print_report
+from evalkit.bench.targets import compare_with_full, targets
 from evalkit.errors import EvalkitError
 from evalkit.policies import make_policy
 from evalkit.results import package_versions, read_json, write_json_atomic
@@ -34,7 +37,7 @@ def measure(settings: BenchSettings, grid: BenchGrid, with_components: bool, out
     out = Console(width=max(Console().width, 170))  # wide tables stay readable when piped to a file
     folder = Path(out_dir)
     json_path = folder / "bench.json"
-    cells = generations.grid_cells(grid.policies, grid.budgets, grid.layouts, grid.lengths, grid.granularities)
+    cells = grid_cells(grid.policies, grid.budgets, grid.layouts, grid.lengths, grid.granularities)
     evicting = [p for p in grid.policies if make_policy(p).evicts]
     shape = components.HeadShape.of(grid.model_config, grid.torch_dtype, grid.torch_device)
     points = (components.measurement_points(grid.lengths, evicting, grid.budgets[0], settings.block_size,
@@ -45,20 +48,8 @@ def measure(settings: BenchSettings, grid: BenchGrid, with_components: bool, out
     measured = {row["key"]: row for row in previous.get("cells", [])}
     old_components = previous.get("components") or {}
     reuse_components = old_components.get("plan") == _points_spec(points, shape) and bool(points)
-    document = {
-        "settings": asdict(settings), "grid": grid.spec(),
-        "environment": {
-            "command": shlex.join(["evalkit", *sys.argv[1:]]),
-            "started": datetime.datetime.now().isoformat("T", "seconds"),
-            "device": str(grid.torch_device), "dtype": str(grid.torch_dtype), "cpu_count": os.cpu_count(),
-            # what the loop's attention dispatch ("auto") picks on this device
-            "attention": "Triton kernels" if grid.torch_device.type == "cuda" else "torch reference",
-            "python": platform.python_version(),
-            "versions": package_versions(("torch", "transformers", "triton", "evalkit")),
-            "load_average_start": os.getloadavg()[0],
-        },
-        "cells": [], "components": None, "targets": [], "complete": False,
-    }
+    document = {"settings": asdict(settings), "grid": grid.spec(), "environment": _environment(grid),
+                "cells": [], "components": None, "targets": [], "complete": False}
     folder.mkdir(parents=True, exist_ok=True)
     todo = [c for c in cells if c.key not in measured]
     err.print(f"{len(cells)} cells ({len(cells) - len(todo)} already measured in {json_path}), "
@@ -68,16 +59,7 @@ def measure(settings: BenchSettings, grid: BenchGrid, with_components: bool, out
     preload = tuple(m for m in ("transformers.generation.utils", isolation.model_module(grid.model_config)) if m)
     with isolation.Isolated(preload) as isolated, progress:
         bar = progress.add_task("bench", total=len(cells) + (0 if reuse_components else len(points)))
-        for cell in cells:
-            if cell.key not in measured:
-                progress.update(bar, description=f"{cell.label} · {cell.layout} · {cell.length} tokens")
-                row = isolated.run(settings.threads, generations.measure_cell, settings, cell)
-                row["load_average"] = os.getloadavg()[0]
-                measured[cell.key] = row
-                # Saved after every cell: an interrupted bench keeps what it measured and resumes.
-                document["cells"] = [measured[c.key] for c in cells if c.key in measured]
-                write_json_atomic(json_path, document)
-            progress.advance(bar)
+        _measure_cells(isolated, settings, cells, measured, document, json_path, progress, bar)
         if reuse_components:
             document["components"] = old_components
         elif points:
@@ -87,19 +69,54 @@ def measure(settings: BenchSettings, grid: BenchGrid, with_components: bool, out
                                       **components.summarise(results, grid.lengths)}
 
     rows = [measured[c.key] for c in cells]
-    generations.compare_with_full(rows)
+    compare_with_full(rows)
     collects = {p for p in grid.policies if make_policy(p).collect_prefill == "attention"}
-    document.update(cells=rows, targets=generations.targets(rows, collects, settings.block_size), complete=True)
+    document.update(cells=rows, targets=targets(rows, collects, settings.block_size), complete=True)
     document["environment"]["load_average_end"] = os.getloadavg()[0]
     write_json_atomic(json_path, document)
+    _show(out, document, settings, folder, several_layouts=len(grid.layouts) > 1)
+
+
+def _environment(grid: BenchGrid) -> dict:
+    """Where and with what the grid is measured, as bench.json records it (the load average at the start)."""
+    return {
+        "command": shlex.join(["evalkit", *sys.argv[1:]]),
+        "started": datetime.datetime.now().isoformat("T", "seconds"),
+        "device": str(grid.torch_device), "dtype": str(grid.torch_dtype), "cpu_count": os.cpu_count(),
+        # what the loop's attention dispatch ("auto") picks on this device
+        "attention": "Triton kernels" if grid.torch_device.type == "cuda" else "torch reference",
+        "python": platform.python_version(),
+        "versions": package_versions(("torch", "transformers", "triton", "evalkit")),
+        "load_average_start": os.getloadavg()[0],
+    }
+
+
+def _measure_cells(isolated, settings: BenchSettings, cells: list[BenchCell], measured: dict[str, dict],
+                   document: dict, json_path: Path, progress: Progress, bar) -> None:
+    """Every cell not yet in `measured` (by key), each in its own process, added to `measured` and to
+    `document`'s cells, which is written to `json_path` after each."""
+    for cell in cells:
+        if cell.key not in measured:
+            progress.update(bar, description=f"{cell.label} · {cell.layout} · {cell.length} tokens")
+            row = isolated.run(settings.threads, measure_cell, settings, cell)
+            row["load_average"] = os.getloadavg()[0]
+            measured[cell.key] = row
+            # Saved after every cell: an interrupted bench keeps what it measured and resumes.
+            document["cells"] = [measured[c.key] for c in cells if c.key in measured]
+            write_json_atomic(json_path, document)
+        progress.advance(bar)
+
+
+def _show(out: Console, document: dict, settings: BenchSettings, folder: Path, several_layouts: bool) -> None:
+    """The measured grid drawn (bench.png, and components.png where components were measured) and printed."""
     title = (f"{settings.model} · {document['environment']['device']} · {settings.new_tokens} new tokens · "
              f"batch {settings.batch}")
-    plot_cells(rows, folder / "bench.png", title)
+    plot_cells(document["cells"], folder / "bench.png", title)
     if document["components"]:
         plot_components(document["components"], folder / "components.png",
                         f"one layer of {settings.model} ({COMPONENT_THREADS} thread)")
-    print_report(out, document, len(grid.layouts) > 1)
-    out.print(f"results: {json_path}, {folder / 'bench.png'}"
+    print_report(out, document, several_layouts)
+    out.print(f"results: {folder / 'bench.json'}, {folder / 'bench.png'}"
               + (f", {folder / 'components.png'}" if document["components"] else ""))
 
 

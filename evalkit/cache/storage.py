@@ -5,9 +5,10 @@ original position (-1 = empty) and a float32 statistic owned by the policy.
 A layout (evalkit/cache/layouts.py: `PagedLayer`, `DenseLayer`) only decides
 which slots belong to which (sequence, KV head).
 
-Everything else (append, read, evict, compact, accounting) is shared, so the
-same policy gives the same tokens on both. The last slots are a sentinel that
-is always empty: views pad ragged heads with it and attention masks it out.
+Everything else (append, read, evict, compact, accounting; a static decode's
+frozen slots, evalkit/cache/frozen_slots.py) is shared, so the same policy
+gives the same tokens on both. The last slots are a sentinel that is always
+empty: views pad ragged heads with it and attention masks it out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from evalkit.cache.frozen_slots import FrozenSlots
 
 
 @dataclass
@@ -49,22 +52,12 @@ class SlotView:
         return self.layer.gather(self.layer.key_norms(), self.index)
 
 
-@dataclass
-class DecodeSlots:
-    """The slots a frozen layer's heads own for a whole static decode (`SlotLayer.freeze`): every shape fixed."""
-
-    index: torch.Tensor  # [B, H_kv, N] each head's slots in fill order, padded with the always-empty sentinel
-    table: torch.Tensor  # [B, H_kv, P] int32 page ids: what the kernels read (`page_table`)
-    page_size: int
-    head_tokens: torch.Tensor  # [B, H_kv] int32 table positions the kernels scan
-
-
 def key_norms_of(k: torch.Tensor) -> torch.Tensor:
     """[...] float64 L2 norms of keys [..., D] (float32 would order near-equal norms by rounding noise)."""
     return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
 
 
-class SlotLayer:
+class SlotLayer(FrozenSlots):
     def __init__(self, batch: int, kv_heads: int, head_dim: int, num_slots: int, sentinel_slots: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
@@ -269,51 +262,6 @@ class SlotLayer:
     def set_stats(self, index: torch.Tensor, stats: torch.Tensor, rows: torch.Tensor) -> None:
         """Replace the statistic of the view's slots in the batch rows `rows` ([B] bool)."""
         self.stats[index[rows].reshape(-1)] = stats[rows].reshape(-1).float()
-
-    # static decode (`loop.static_decode`): fixed shapes, nothing read back to the host ---------------------
-    def room_for(self, most: torch.Tensor) -> bool:
-        """Whether `freeze(most)` fits in this layer's storage."""
-        missing = (most - self.owned_slots()).clamp(min=0)
-        return self._pages_for(missing) <= self._free_storage()
-
-    def freeze(self, most: torch.Tensor) -> DecodeSlots:
-        """Give each head room for `most` [B, H_kv] tokens, then fix the slots it owns: from here on a token goes
-        into its head's lowest free slot (`append_static`) and an emptied slot stays its head's (`evict_static`),
-        so the slots, the page tables and every shape stay as they are for the rest of the generation."""
-        self._reserve((most - self.owned_slots()).clamp(min=0))
-        self.packed, self.single_hole, self._trimmed, self.frozen = None, None, None, True
-        table, page_size, head_tokens = self.page_table()
-        return DecodeSlots(self.slot_index(), table, page_size, head_tokens)
-
-    def append_static(self, slots: DecodeSlots, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One new token per head (k, v [B, H_kv, 1, D], positions [B, 1]) into its lowest free slot among
-        `slots`; returns the slots [B, H_kv, 1]. `freeze` made sure every head has one."""
-        B, H, _, D = k.shape
-        free = self._real(slots.index, self.gather(self.pos, slots.index) < 0)
-        dest = slots.index.gather(2, free.to(torch.int8).argmax(-1, keepdim=True))  # [B, H, 1]
-        self._write(dest.reshape(-1), k.reshape(-1, D), v.reshape(-1, D), pos.expand(B, H).reshape(-1))
-        return dest
-
-    def evict_static(self, index: torch.Tensor, keep: torch.Tensor, pos: torch.Tensor) -> None:
-        """`evict` for a frozen layer: empty every live slot of `index` [B, H_kv, N] where `keep` is False, by
-        rewriting every slot of `index` (the sentinel's with its own empty value). `pos`: the slots' positions
-        as stored, `gather(self.pos, index)`, which the caller has already read."""
-        flat = index.reshape(-1)
-        pos = pos.reshape(-1)
-        dropped = ~keep.reshape(-1) & (pos >= 0)
-        self.pos.index_copy_(0, flat, pos.masked_fill(dropped, -1))
-        self.stats.index_copy_(0, flat, self.stats.index_select(0, flat).masked_fill(dropped, 0.0))
-
-    def owned_slots(self) -> torch.Tensor:
-        """[B, H_kv] slots each head owns (empty or not)."""
-        raise NotImplementedError
-
-    def _pages_for(self, missing: torch.Tensor) -> int:
-        """Units of storage `_reserve(missing)` would take."""
-        return 0
-
-    def _free_storage(self) -> int:
-        return 0
 
     def evict(self, index: torch.Tensor, keep: torch.Tensor) -> None:
         """Empty every live slot of the view where `keep` is False."""

@@ -79,25 +79,9 @@ def _paged_attention_kernel(
         # Chunks skip blocks that are empty or in every query's future (half a fresh prompt's blocks);
         # decode reads every block, and a branch-free loop lets Triton pipeline its loads.
         if (not SKIP_FUTURE) or tl.max(((k_pos >= 0) & (k_pos <= q_pos_max)).to(tl.int32), 0) > 0:
-            k = tl.load(K + slot[:, None] * stride_k_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                        other=0.0)  # [N, D]
-            v = tl.load(V + slot[:, None] * stride_v_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
-            allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
-            if sliding_window > 0:
-                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing readable yet
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m - m_safe)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            k = _load_slot_rows(K, slot, stride_k_slot, d, n_ok, d_ok, UPCAST)  # [N, D]
+            v = _load_slot_rows(V, slot, stride_v_slot, d, n_ok, d_ok, UPCAST)
+            m, l, acc = _online_softmax_step(q, q_pos, k, v, k_pos, m, l, acc, scale_log2, sliding_window, PRECISION)
 
     if SPLIT:
         part = (bh * T * G + rows) * stride_part_row + split * stride_part_split
@@ -105,12 +89,48 @@ def _paged_attention_kernel(
         tl.store(PART_L + part, l, mask=row_ok)
         tl.store(PART_ACC + part[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
     else:
-        nonempty = l > 0  # a query that reads nothing gets zeros and lse -inf
-        out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
-        tl.store(OUT + b * stride_out_b + t[:, None] * stride_out_t + h[:, None] * stride_out_h + d[None, :],
-                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-        lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
-        tl.store(LSE2 + (b * H_KV * G + h) * T + t, lse2, mask=row_ok)
+        out_rows = OUT + b * stride_out_b + t[:, None] * stride_out_t + h[:, None] * stride_out_h + d[None, :]
+        _store_normalised(out_rows, LSE2 + (b * H_KV * G + h) * T + t, m, l, acc, row_ok, d_ok)
+
+
+@triton.jit
+def _load_slot_rows(ROWS, slot, stride_slot, d, n_ok, d_ok, UPCAST: tl.constexpr):
+    """K or V rows [N, D] of the slots `slot` [N]; 0 past the block's tokens (`n_ok`) and the head dim (`d_ok`)."""
+    rows = tl.load(ROWS + slot[:, None] * stride_slot + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        rows = rows.to(tl.float32)
+    return rows
+
+
+@triton.jit
+def _online_softmax_step(q, q_pos, k, v, k_pos, m, l, acc, scale_log2, sliding_window, PRECISION: tl.constexpr):
+    """One block of keys into the rows' running softmax: queries q [M, D] at positions q_pos [M] read keys k and
+    values v [N, D] at positions k_pos [N] (-1: empty) where visible. The state, in log2 units: m [M] the
+    running max of scaled scores, l [M] the running sum of exp2(score - m), acc [M, D] the values so
+    weighted. Returns the new (m, l, acc)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [M, N]
+    allowed = (k_pos[None, :] >= 0) & (k_pos[None, :] <= q_pos[:, None])
+    if sliding_window > 0:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing readable yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_normalised(out_rows, lse2_rows, m, l, acc, row_ok, d_ok):
+    """A row's final state written out: acc / l [M, D] at `out_rows` in OUT's dtype, its log2-sum-exp
+    m + log2(l) [M] at `lse2_rows`; a query that reads nothing gets zeros and lse -inf."""
+    nonempty = l > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l, 1.0)[:, None], 0.0)
+    tl.store(out_rows, out.to(out_rows.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))
+    tl.store(lse2_rows, lse2, mask=row_ok)
 
 
 @triton.jit
@@ -182,12 +202,8 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, pa
         out = torch.empty(B, T, H_q, D, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(B, H_q, T, dtype=torch.float32, device=q.device)
     split = num_splits > 1
-    if split:
-        part_m = torch.empty(B * H_kv * rows, num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(B * H_kv * rows, num_splits, block_d, dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = lse2  # unused
+    # One split writes the output itself: lse2 stands in for the partial states it never touches.
+    part_acc, part_m, part_l = _split_states(B * H_kv * rows, num_splits, block_d, q.device) if split else (lse2,) * 3
     grid = (B * H_kv, triton.cdiv(rows, block_m), num_splits)
     _paged_attention_kernel[grid](
         q, k_slots, v_slots, slot_pos, table, head_tokens, q_pos,
@@ -209,6 +225,15 @@ def paged_attention(q, q_pos, k_slots, v_slots, slot_pos, table, head_tokens, pa
             BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
         )
     return out, lse2 / LOG2E
+
+
+def _split_states(rows: int, num_splits: int, block_d: int, device) -> tuple[torch.Tensor, ...]:
+    """Where flash-decoding's splits leave their partial softmax states for `_merge_splits_kernel`, float32:
+    weighted values [R_all, splits, BLOCK_D], running max and sum [R_all, splits] (R_all: every KV head's rows)."""
+    part_m = torch.empty(rows, num_splits, dtype=torch.float32, device=device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(rows, num_splits, block_d, dtype=torch.float32, device=device)
+    return part_acc, part_m, part_l
 
 
 def _decode_splits(programs: int, max_tokens: int, block_n: int, device, programs_per_sm: int) -> int:

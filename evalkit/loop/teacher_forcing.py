@@ -48,12 +48,7 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
     forward with eviction after each; otherwise all its tokens in one forward. Requests that share
     the prompt and all but the last continuation token share one pass (multiple-choice answers).
     """
-    groups: dict[tuple, int] = {}
-    for r in requests:
-        groups.setdefault((tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1])), len(groups))
-    member = [groups[(tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1]))]
-              for r in requests]
-    unique = [requests[member.index(g)] for g in range(len(groups))]
+    unique, member = _sharing_a_pass(requests)
     policy = settings.policy
     compressed, appended = split_prompts(unique, settings.query_aware)
     policy.prepare(model)
@@ -63,21 +58,7 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
     state = new_state(model, settings, budgets.lengths, budgets.caps, extra + torch.tensor([len(f) for f in fed]),
                       observe)
     cache = state.cache
-    # Per unique prompt: log-probs of the shared continuation tokens, greedy so far, last distribution.
-    shared: list[list[float]] = [[] for _ in unique]
-    greedy = [True] * len(unique)
-    last: list[torch.Tensor | None] = [None] * len(unique)
-
-    def take(b: int, rows: torch.Tensor, first: int) -> None:
-        """rows [n, V] log-probs predicting continuation tokens first .. first+n-1 of unique[b]."""
-        cont = unique[b].continuation_ids
-        n_shared = max(0, min(len(rows), len(cont) - 1 - first))
-        if n_shared:
-            targets = torch.tensor(cont[first:first + n_shared], device=rows.device)
-            shared[b] += rows[:n_shared].gather(1, targets[:, None])[:, 0].tolist()
-            greedy[b] = greedy[b] and bool((rows[:n_shared].argmax(-1) == targets).all())
-        if first + len(rows) == len(cont):
-            last[b] = rows[-1].cpu()
+    tally = _ContinuationLogprobs([r.continuation_ids for r in unique])
 
     with evalkit_attention(model):
         decode_evicts = budgets.any_evicting and settings.decode_eviction
@@ -88,34 +69,76 @@ def score_continuations(model, requests: list[ScoreRequest], settings: Generatio
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
         logprobs = torch.log_softmax(logits, -1)
         for b in range(len(unique)):
-            take(b, logprobs[b:b + 1], 0)
+            tally.take(b, logprobs[b:b + 1], 0)
 
         state.collect = decode_collect
         restrict_reads(state, budgets, extra)
         stepwise = decode_evicts or (policy.restricts_reads and bool((budgets.tokens < budgets.lengths).any()))
-        if stepwise:
-            for step in range(max(len(f) for f in fed)):
-                logits, counts = forward(state, [f[step:step + 1] for f in fed])
-                compress(state, budgets.caps + extra)
-                logprobs = torch.log_softmax(logits, -1)
-                for b in range(len(unique)):
-                    if counts[b]:
-                        take(b, logprobs[b:b + 1], step + 1)
-        elif any(fed):
-            logits, counts = forward(state, fed, all_logits=True)
-            width = logits.shape[1]
-            for b in range(len(unique)):
-                if counts[b]:
-                    take(b, torch.log_softmax(logits[b, width - int(counts[b]):], -1), 1)
+        _feed_continuations(state, fed, tally, stepwise, budgets.caps + extra)
 
     scores = []
     prompts = torch.tensor([len(c) + len(a) for c, a in zip(compressed, appended)])
     full = full_cache_bytes(state, prompts)
     for r, g in zip(requests, member):
-        final = last[g][r.continuation_ids[-1]]
-        scores.append(Score(shared[g] + [float(final)], greedy[g] and int(last[g].argmax()) == r.continuation_ids[-1],
+        final = tally.last[g][r.continuation_ids[-1]]
+        greedy = tally.greedy[g] and int(tally.last[g].argmax()) == r.continuation_ids[-1]
+        scores.append(Score(tally.shared[g] + [float(final)], greedy,
                             int(prompts[g]), float(kept[g]), int(held[g]), int(ideal[g]), int(full[g])))
     return scores
+
+
+def _sharing_a_pass(requests: list[ScoreRequest]) -> tuple[list[ScoreRequest], list[int]]:
+    """The requests that need a pass of their own (one per prompt and continuation but its last token), and
+    for each request the index among them of the one whose pass it shares."""
+    groups: dict[tuple, int] = {}
+    for r in requests:
+        groups.setdefault((tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1])), len(groups))
+    member = [groups[(tuple(r.context_ids), tuple(r.question_ids), tuple(r.continuation_ids[:-1]))]
+              for r in requests]
+    return [requests[member.index(g)] for g in range(len(groups))], member
+
+
+class _ContinuationLogprobs:
+    """Per continuation scored in one pass: the log-probabilities of its tokens but the last (shared by the
+    requests that differ only in their last token), whether each was the argmax, and the last distribution."""
+
+    def __init__(self, continuations: list[list[int]]):
+        self.continuations = continuations
+        self.shared: list[list[float]] = [[] for _ in continuations]
+        self.greedy = [True] * len(continuations)
+        self.last: list[torch.Tensor | None] = [None] * len(continuations)  # [V] each
+
+    def take(self, b: int, rows: torch.Tensor, first: int) -> None:
+        """rows [n, V] log-probs predicting continuation tokens first .. first+n-1 of continuation b."""
+        cont = self.continuations[b]
+        n_shared = max(0, min(len(rows), len(cont) - 1 - first))
+        if n_shared:
+            targets = torch.tensor(cont[first:first + n_shared], device=rows.device)
+            self.shared[b] += rows[:n_shared].gather(1, targets[:, None])[:, 0].tolist()
+            self.greedy[b] = self.greedy[b] and bool((rows[:n_shared].argmax(-1) == targets).all())
+        if first + len(rows) == len(cont):
+            self.last[b] = rows[-1].cpu()
+
+
+def _feed_continuations(state: LoopState, fed: list[list[int]], tally: _ContinuationLogprobs, stepwise: bool,
+                        caps: torch.Tensor) -> None:
+    """Each continuation's fed tokens `fed[b]` through the compressed cache, their log-probabilities into
+    `tally`: where `stepwise`, one token per forward, the cache compressed to `caps` [L, B] after each;
+    otherwise all of them in one forward."""
+    if stepwise:
+        for step in range(max(len(f) for f in fed)):
+            logits, counts = forward(state, [f[step:step + 1] for f in fed])
+            compress(state, caps)
+            logprobs = torch.log_softmax(logits, -1)
+            for b in range(len(fed)):
+                if counts[b]:
+                    tally.take(b, logprobs[b:b + 1], step + 1)
+    elif any(fed):
+        logits, counts = forward(state, fed, all_logits=True)
+        width = logits.shape[1]
+        for b in range(len(fed)):
+            if counts[b]:
+                tally.take(b, torch.log_softmax(logits[b, width - int(counts[b]):], -1), 1)
 
 
 @torch.inference_mode()

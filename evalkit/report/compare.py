@@ -18,7 +18,8 @@ from rich.markup import escape
 from evalkit.config import baseline_for
 from evalkit.errors import EvalkitError
 from evalkit.results import RunDir, complete_runs, read_json
-from evalkit.uncertainty import compare, score_interval, score_of
+from evalkit.uncertainty import compare, score_interval
+from evalkit.uncertainty.records import score_of
 
 # What two runs must share to be compared sample by sample.
 _SAME = ("task", "task_args", "length", "model", "seed", "data_sha256")

@@ -12,7 +12,8 @@ from statsmodels.stats.multitest import multipletests
 
 from evalkit.errors import EvalkitError
 from evalkit.policies.names import policy_family
-from evalkit.uncertainty import ALPHA, compare
+from evalkit.uncertainty import compare
+from evalkit.uncertainty.settings import ALPHA
 
 
 @dataclass

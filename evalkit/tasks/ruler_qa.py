@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from evalkit.errors import EvalkitError
 from evalkit.tasks.base import Sample
-from evalkit.tasks.ruler_synthetic import SOURCE, FittedTask
+from evalkit.tasks.ruler_fitted import SOURCE, FittedTask
 
 # --- question answering -----------------------------------------------------------------------
 
