@@ -86,7 +86,7 @@ def test_one_matmul_over_every_cells_rows_would_not_be_exact():
     x = torch.randn(8, 1, linear.in_features, generator=torch.Generator().manual_seed(0))
     own = torch.stack([torch.nn.functional.linear(row, linear.weight) for row in x])  # each cell alone
     assert not torch.equal(linear(x), own)
-    with joint_decode.branchwise_linears(model, 8):
+    with joint_decode.BranchwiseLinears(8):
         assert torch.equal(linear(x), own)
 
 
@@ -148,7 +148,7 @@ def test_a_model_whose_rows_meet_outside_its_linears_decodes_cells_one_by_one(mo
 def test_linears_whose_batched_kernel_differs_decode_cells_one_by_one(monkeypatch):
     model = wide_model("llama")
     exact = joint_decode._branchwise_linear
-    monkeypatch.setattr(joint_decode, "_branchwise_linear", lambda linear, cells, x: exact(linear, cells, x) * (1 + 1e-6))
+    monkeypatch.setattr(joint_decode, "_branchwise_linear", lambda *args: exact(*args) * (1 + 1e-6))
     assert not joint_decode.linears_apart(model, 3, 1)
     monkeypatch.setattr(joint_decode, "_branchwise_linear", exact)
     assert joint_decode.linears_apart(model, 4, 1)
@@ -169,6 +169,32 @@ def test_cells_whose_caches_do_not_fit_together_decode_in_groups_that_do(monkeyp
                         lambda *a: joint_steps.append(len(a[0])) or forward_branches(*a))
     together = generate_branches(model, None, batch, cells, shared)
     assert max(joint_steps) == 2
+    for settings, cell in zip(cells, together):
+        assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \
+            [g.token_ids for g in cell]
+
+
+def test_a_joint_forward_touches_no_module_of_the_model(monkeypatch):
+    """The branches' linears are split by a torch function mode (`BranchwiseLinears`), not by replacing any
+    `nn.Linear.forward`: every linear runs its own forward, and the model is left as it was."""
+    model = wide_model("llama")
+    batch = batch_of(1, torch.Generator().manual_seed(6))
+    cells = cells_of(True)[:2]  # `evalkit run`'s two branches: the run and its baseline
+    shared = shared_prefill(model, batch, cells, True)
+    joint_steps, calls = [], []
+
+    def untouched(module, args):
+        assert "forward" not in vars(module)
+        calls.append(module)
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [linear.register_forward_pre_hook(untouched) for linear in linears]
+    monkeypatch.setattr(joint_decode, "forward_branches",
+                        lambda *a: joint_steps.append(len(a[0])) or forward_branches(*a))
+    together = generate_branches(model, None, batch, cells, shared)
+    for hook in hooks:
+        hook.remove()
+    assert joint_steps and max(joint_steps) == 2 and len(calls) >= len(linears) * len(joint_steps)
     for settings, cell in zip(cells, together):
         assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \
             [g.token_ids for g in cell]

@@ -3,9 +3,9 @@
 A *branch* is one `GenerationSettings` (policy, budget, ...) continuing a shared prefill
 (`shared_prefill`): a sweep's runs on the same prompts decode from their own caches. Their weights are
 the same, so `generate_branches` feeds every branch's next tokens through one forward: each branch's
-rows attend over its own cache with its own plan (`attention.JointForwardPlan`), and every `nn.Linear`
-computes a branch's rows as one entry of a batched matmul, or for a few branches as its own product
-(`branchwise_linears`) — bit for bit what the branch's own forward computes, where one matmul over all
+rows attend over its own cache with its own plan (`attention.JointForwardPlan`), and every linear layer
+(`F.linear`, which `nn.Linear` calls) computes a branch's rows as one entry of a batched matmul, or for a few
+branches as its own product (`BranchwiseLinears`, a torch function mode: no module is patched) — bit for bit what the branch's own forward computes, where one matmul over all
 branches' rows would not be (a row's result depends on how many rows the kernel is given: 25 rows at
 once differ from one at a time in the last bits). Before branches decode together, probes check
 exactly that on this model, device and shapes (`model_rows_apart`, `linears_apart`); where they fail
@@ -14,14 +14,14 @@ exactly that on this model, device and shapes (`model_rows_apart`, `linears_apar
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
 import weakref
 from typing import Callable, Iterator, TypeVar
 
 import psutil
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from evalkit.attention import JointForwardPlan, evalkit_attention
 from evalkit.loop.generate import Decoding, start
@@ -107,7 +107,7 @@ def forward_branches(states, tokens: list[list[list[int]]]) -> tuple[list[torch.
     inputs = [forward_inputs(state, rows) for state, rows in zip(states, tokens)]
     joint = JointForwardPlan.of([plan for _, _, plan, _ in inputs], [len(rows) for rows in tokens])
     model = states[0].model
-    with branchwise_linears(model, len(states)):
+    with BranchwiseLinears(len(states)):
         out = model(input_ids=torch.cat([ids for ids, _, _, _ in inputs]),
                     position_ids=torch.cat([positions for _, positions, _, _ in inputs]),
                     use_cache=False, logits_to_keep=1, evalkit_plan=joint)
@@ -121,19 +121,20 @@ def _linears(model) -> list[torch.nn.Linear]:
     return [m for m in model.modules() if type(m) is torch.nn.Linear]
 
 
-@contextlib.contextmanager
-def branchwise_linears(model, branches: int):
-    """Inside the block, every plain `nn.Linear` of `model` splits its input's rows into `branches` equal
-    groups, in order, and computes each group as one entry of a batched matmul (each on its own for up to
-    `_OWN_PRODUCTS_UP_TO` branches)."""
-    linears = _linears(model)
-    for linear in linears:
-        linear.forward = functools.partial(_branchwise_linear, linear, branches)
-    try:
-        yield
-    finally:
-        for linear in linears:
-            del linear.forward
+class BranchwiseLinears(TorchFunctionMode):
+    """Inside the block, every `F.linear` (what `nn.Linear` computes) splits its input's rows into `branches`
+    equal groups, in order, and computes each group as one entry of a batched matmul (each on its own for up
+    to `_OWN_PRODUCTS_UP_TO` branches). A torch function mode: nothing of the model is touched, and it ends
+    with the block."""
+
+    def __init__(self, branches: int):
+        super().__init__()
+        self.branches = branches
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            return _branchwise_linear(self.branches, *args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
 
 
 # Both thresholds were chosen by timing them (docs/benchmarks-history.md).
@@ -148,9 +149,10 @@ _CHUNK_OUTPUTS = 512
 _OWN_PRODUCTS_UP_TO = 3
 
 
-def _branchwise_linear(linear: torch.nn.Linear, branches: int, x: torch.Tensor) -> torch.Tensor:
+def _branchwise_linear(branches: int, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.reshape(branches, -1, x.shape[-1])  # [branches, rows of a branch, in]
-    weight, bias = linear.weight.t(), linear.bias  # [in, out], a view
+    weight = weight.t()  # [in, out], a view
     outputs = weight.shape[1]
     chunk = _CHUNK_OUTPUTS if weight.numel() * weight.element_size() > _CACHED_WEIGHT_BYTES else outputs
     if branches <= _OWN_PRODUCTS_UP_TO:  # F.linear's own products (mm, or addmm with a bias), written in place
@@ -177,8 +179,8 @@ def _branchwise_linear(linear: torch.nn.Linear, branches: int, x: torch.Tensor) 
 
 def model_rows_apart(model, batch: int) -> bool:
     """Probe (once per model and batch): two branches' one-token rows, through the model's own attention,
-    jointly and one branch at a time. Fails where rows meet outside plain `nn.Linear` (GPT-2's Conv1D, a
-    linear wrapped by hooks)."""
+    jointly and one branch at a time. Fails where rows meet outside `F.linear` (GPT-2's Conv1D: `addmm`);
+    a model whose linears are wrapped by hooks (accelerate's) is left alone."""
     verdicts = _VERDICTS.setdefault(model, {})
     key = ("model", batch)
     if key not in verdicts:
@@ -187,7 +189,7 @@ def model_rows_apart(model, batch: int) -> bool:
         else:
             ids = (torch.arange(2 * batch) * 7919 % model.config.vocab_size)[:, None].to(model.device)
             with torch.inference_mode():
-                with branchwise_linears(model, 2):
+                with BranchwiseLinears(2):
                     joint = model(input_ids=ids, use_cache=False).logits
                 own = torch.cat([model(input_ids=ids[:batch], use_cache=False).logits,
                                  model(input_ids=ids[batch:], use_cache=False).logits])
@@ -211,5 +213,6 @@ def _linear_apart(linear: torch.nn.Linear, branches: int, batch: int, generator:
     x = torch.randn(branches, batch, linear.in_features, generator=generator).to(linear.weight)
     with torch.inference_mode():
         own = torch.stack([torch.nn.functional.linear(x[b], linear.weight, linear.bias) for b in range(branches)])
-        joint = _branchwise_linear(linear, branches, x.view(branches * batch, 1, -1)).view(branches, batch, -1)
+        joint = _branchwise_linear(branches, x.view(branches * batch, 1, -1), linear.weight,
+                                   linear.bias).view(branches, batch, -1)
     return torch.equal(own, joint)
