@@ -7,49 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
 from evalkit.errors import EvalkitError
 from evalkit.policies.budget import TOKEN_LIMIT, Budget, check_budget
-from evalkit.policies.query_moments import QueryMoments
+from evalkit.policies.score_input import ScoreInput
 from evalkit.policies.selection import PAGE_GRANULARITIES, Granularity, keep_mask
-
-
-# What a scorer may read that costs a gather or a copy: read on first use only (`ScoreInput.sources`).
-_READ_ON_DEMAND = frozenset({"keys", "key_norms", "values", "queries", "rope", "output_projection"})
-
-
-@dataclass
-class ScoreInput:
-    """What a scorer may look at for one layer, per (sequence, KV head) slot; ragged heads padded. The fields
-    that cost a gather or a copy are made when the scorer first reads them (from `sources`), as `SlotView`
-    gathers its slots, so a scorer declares nothing about what it reads."""
-
-    keys: torch.Tensor | None  # [B, H_kv, N, D] post-RoPE keys
-    positions: torch.Tensor  # [B, H_kv, N] original positions, -1 = empty slot
-    statistic: torch.Tensor  # [B, H_kv, N] what the attention function collected (`collect_*`; zeros if nothing)
-    layer: int
-    seed: int
-    stat_end: torch.Tensor | None = None  # [B] tokens seen at the last forward that collected the statistic
-    key_norms: torch.Tensor | None = None  # [B, H_kv, N] float64 L2 norms of the keys (kept by the storage)
-    values: torch.Tensor | None = None  # [B, H_kv, N, D]
-    caps: torch.Tensor | None = None  # [B] tokens per KV head this layer keeps (before any reallocation)
-    queries: QueryMoments | None = None  # the prompt queries' moments (collected with `reads_query_moments`)
-    rope: Callable | None = None  # positions [B, n] -> (cos, sin) [B, n, D] of the model's RoPE (with `queries`)
-    output_projection: torch.Tensor | None = None  # [hidden, H_q * D] o_proj weight
-    span: int | None = None  # a static decode step's bound on the positions (`loop.static_decode`); None: their max + 1
-    sources: dict[str, Callable[[], object]] = field(default_factory=dict, repr=False)  # field -> its maker
-
-    def __getattribute__(self, name: str):
-        value = object.__getattribute__(self, name)
-        if value is None and name in _READ_ON_DEMAND:
-            make = object.__getattribute__(self, "sources").pop(name, None)
-            if make is not None:
-                value = make()
-                object.__setattr__(self, name, value)
-        return value
 
 
 PROMPT = "the prompt"  # a hyper-parameter's upper bound: at most the run's prompt tokens (`check_fits`)
