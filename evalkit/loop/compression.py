@@ -99,6 +99,13 @@ def _padded_to(x: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]), value=fill)
 
 
+def protected_recent(policy, caps: torch.Tensor, seen: torch.Tensor, stat_end: torch.Tensor) -> torch.Tensor:
+    """[L, B] the most recent tokens each (layer, sequence) keeps before any score: the policy's recent window,
+    plus the tokens fed since its statistic was last collected (they have no score yet), at most the cap."""
+    unscored = seen - stat_end if policy.needs_statistic else torch.zeros_like(seen)
+    return torch.minimum(policy.recent_count(caps) + unscored, caps)
+
+
 def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Per layer of `layers` (a cache's, or the same tokens stored elsewhere): (slot index, keep) [B, H_kv, N]
     each, the slots the policy keeps at `caps[l, b]` tokens per head, or None when it holds no more.
@@ -110,8 +117,7 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
     """
     policy = state.policy
     caps = sliding_caps(state, caps)
-    unscored = state.seen - state.stat_end if policy.needs_statistic else torch.zeros_like(state.seen)
-    recents = torch.minimum(policy.recent_count(caps) + unscored, caps)  # [L, B]
+    recents = protected_recent(policy, caps, state.seen, state.stat_end)  # [L, B]
     over = []  # (layer index, slot index, positions, scores; [B, H_kv, N] each) of the layers over their caps
     fewest_kept = caps.amin(1).tolist()  # [L]
     pooled = policy.selects_across_layers  # one budget for all layers: every layer is selected, or none

@@ -26,7 +26,7 @@ import torch
 from evalkit.attention import ForwardPlan
 from evalkit.cache import PoolExhausted, SlotView
 from evalkit.errors import EvalkitError
-from evalkit.loop.compression import score_input, sliding_caps
+from evalkit.loop.compression import protected_recent, score_input, sliding_caps
 from evalkit.loop.state import NO_LIMIT, LoopState, advance
 from evalkit.policies import Policy
 
@@ -135,8 +135,7 @@ class StaticStep:
         rows within their caps left alone; a sliding layer's tokens out of its window dropped first
         (`compression.in_window`)."""
         state, policy = self.state, self.state.policy
-        unscored = self.seen - self.stat_end if policy.needs_statistic else torch.zeros_like(self.seen)
-        recents = torch.minimum(policy.recent_count(self.caps) + unscored, self.caps)  # [L, B]
+        recents = protected_recent(policy, self.caps, self.seen, self.stat_end)  # [L, B]
         layers = zip(state.cache.layers, self.slots, self.sliding_windows)
         for layer_idx, (layer, slots, sliding_window) in enumerate(layers):
             stored = layer.gather(layer.pos, slots.index)  # [B, H_kv, N]
