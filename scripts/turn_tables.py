@@ -1,6 +1,7 @@
 """The multi-turn study's tables and plot (docs/granularity.md, "When the cache turns over"), from run folders.
 
     .venv/bin/python scripts/turn_tables.py runs/study [--task ruler:multiturn_niah] [--plot docs/img/turns.png]
+    .venv/bin/python scripts/turn_tables.py runs/study --summary   # scorer x granularity, the mean over turns
 
 For each model × length × query mode: a row per policy and budget with its samples, each turn's score (%), the
 mean over turns with its 95 % interval, and the KV held as the last turn's answer began (% of the full cache
@@ -109,6 +110,24 @@ def print_tables(runs: list[dict]) -> None:
                 print(f"| {scorer} | {granularity} | {budget} | {test.n} | {100 * test.difference:+.1f} | {p:.3g} |")
 
 
+def print_summary(runs: list[dict]) -> None:
+    """Per setting, the mean score over turns (%) of each scorer at each budget, a column per granularity."""
+    for setting in sorted({setting_of(r["config"]) for r in runs}, key=str):
+        here = [r for r in runs if setting_of(r["config"]) == setting]
+        cells = {(*family_of(r["config"]), r["config"]["budget"]): row(r) for r in here
+                 if r["config"]["policy"] != "full"}
+        full = next((row(r) for r in here if r["config"]["policy"] == "full"), None)
+        n = min(x["n"] for x in cells.values())
+        print(f"\n### {setting[0]}, {setting[1]} tokens, {setting[2]}: mean over turns, % (n ≥ {n} a cell"
+              + (f"; full cache {100 * full['mean']:.1f}" if full else "") + ")\n")
+        print("| scorer | budget | " + " | ".join(GRANULARITIES) + " |")
+        print("|---|---|" + "---:|" * len(GRANULARITIES))
+        for scorer, budget in sorted({(scorer, budget) for scorer, _, budget in cells}):
+            shown = [f"{100 * cells[scorer, g, budget]['mean']:.1f}" if (scorer, g, budget) in cells else ""
+                     for g in GRANULARITIES]
+            print(f"| {scorer} | {budget} | " + " | ".join(shown) + " |")
+
+
 def plot(runs: list[dict], path: Path) -> None:
     """Score by turn, a panel per budget, a line per granularity (the mean over the scorers run at all four)."""
     budgets = sorted({r["config"]["budget"] for r in runs if r["config"]["policy"] != "full"})
@@ -148,11 +167,12 @@ def main() -> None:
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--task", default="ruler:multiturn_niah")
     parser.add_argument("--plot", type=Path, help="write the score-by-turn figure here")
+    parser.add_argument("--summary", action="store_true", help="only the mean over turns, scorer x granularity")
     args = parser.parse_args()
     runs = load(args.folders, args.task)
     if not runs:
         raise SystemExit(f"no {args.task} runs under {', '.join(args.folders)}")
-    print_tables(runs)
+    (print_summary if args.summary else print_tables)(runs)
     if args.plot:
         plot(runs, args.plot)
 
