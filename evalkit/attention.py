@@ -135,7 +135,8 @@ def _joint_attention(module, query, key, value, joint: JointForwardPlan, scaling
 def _prompt_attention(layer, query, key, value, plan: ForwardPlan, scaling, sliding_window):
     """A layer that holds nothing yet: the prompt attends to itself from the forward's own K/V (on every
     device: SDPA, then the statistic in a second pass), and is then stored."""
-    wanted = [statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid)] if plan.collect else []
+    wanted = [statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid)] \
+        if plan.collect else []
     out, stats = prompt_attention(query, plan.positions, plan.valid, key, value, scaling, sliding_window, wanted,
                                   plan.kernels)
     slots = layer.append(key, value, plan.positions, plan.valid)
@@ -183,10 +184,10 @@ def _kernel_attention(layer, query, key, value, plan: ForwardPlan, scaling, slid
     table, page_size, head_tokens = layer.page_table()
     counted = statistic_queries(plan.collect, plan.observation_window, plan.positions, plan.valid) \
         if plan.collect else None
-    out = _kernels(layer, query, plan, scaling, sliding_window, (table, head_tokens, page_size), counted)
+    out, stats = _kernels(layer, query, plan, scaling, sliding_window, (table, head_tokens, page_size), counted)
     if plan.collect:
-        store_statistic(layer, layer.slot_index(), plan.collect, out[1], plan.valid)
-    return out[0]
+        store_statistic(layer, layer.slot_index(), plan.collect, stats, plan.valid)
+    return out
 
 
 def _kernels(layer, query, plan: ForwardPlan, scaling, sliding_window, pages: tuple, counted):

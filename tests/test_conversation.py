@@ -109,7 +109,7 @@ def test_a_shared_prefill_gives_each_run_what_it_gives_alone(model, query_aware)
 
 @pytest.mark.parametrize("query_aware", [True, False])
 def test_branches_conversing_together_give_what_each_gives_alone(model, monkeypatch, query_aware):
-    import evalkit.loop.conversation as conversation_module
+    import evalkit.loop.joint_decode as joint_decode
 
     talk = conversation()
     each = [settings("h2o_head", 0.3, query_aware=query_aware), settings("tova_page", 0.5, query_aware=query_aware),
@@ -118,8 +118,8 @@ def test_branches_conversing_together_give_what_each_gives_alone(model, monkeypa
     shared = share_prefill(model, [Request(talk.context_ids, talk.turns[0], NEW)], query_aware,
                            set().union(*(prefill_statistics(s.policy) for s in each)), None)
     joint_steps = []
-    forward_branches = conversation_module.forward_branches
-    monkeypatch.setattr(conversation_module, "forward_branches",
+    forward_branches = joint_decode.forward_branches
+    monkeypatch.setattr(joint_decode, "forward_branches",
                         lambda states, tokens: joint_steps.append(len(states)) or forward_branches(states, tokens))
     together = converse_branches(model, None, talk, each, shared)
     assert joint_steps and max(joint_steps) == len(each)  # the branches' decode steps went through one forward

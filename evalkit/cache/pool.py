@@ -1,4 +1,4 @@
-"""Page bookkeeping for one layer: integers only, no tensors (vLLM's PagePool split)."""
+"""Page bookkeeping for one layer: integers only, no tensors (vLLM's BlockPool split)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 For each slot of each (sequence, KV head): the softmax probability it received, summed over the
 counted queries and averaged over the G query heads of the group — H2O's column sums when every
-query is counted, SnapKV's / TOVA's sliding_window scores when only the last w are. The softmax needs each
+query is counted, SnapKV's / TOVA's window scores when only the last w are. The softmax needs each
 query's log-sum-exp over all its keys first; `paged_attention` returns it, so this is the second of
 two passes: one program per block of keys recomputes the scores of every query against those keys
 and adds up the probabilities. Memory is O(n): no score matrix is ever stored.

@@ -4,7 +4,7 @@ Storage (evalkit/cache/storage.py): K and V are flat slot arrays `[slots, D]`; a
 consecutive slots; head (b, h) owns the pages `table[b, h, :]` in fill order, its first
 `head_tokens[b, h]` table positions are scanned, and `slot_pos[slot]` holds the token's original
 position (-1 = empty slot: a hole left by eviction, or padding). A query at position p reads the
-slots with 0 <= pos <= p (and pos > p - sliding_window under a sliding sliding_window). Heads of one sequence may
+slots with 0 <= pos <= p (and pos > p - W under a sliding window W). Heads of one sequence may
 hold different numbers of tokens.
 
 One kernel serves both uses:

@@ -18,7 +18,7 @@ import torch
 
 from evalkit.attention import evalkit_attention
 from evalkit.loop.generate import Decoding, start
-from evalkit.loop.joint_decode import branch_groups, forward_branches, linears_apart, model_rows_apart
+from evalkit.loop.joint_decode import branch_groups, model_rows_apart, step_together
 from evalkit.loop.shared_prefill import SharedPrefill
 from evalkit.loop.state import Generation, GenerationSettings, Request, forward
 
@@ -103,19 +103,9 @@ def _talk_together(talks: list[_Talk], joint_possible: bool) -> list[list[Genera
             if chosen is not None:
                 stepping.append(talk), tokens.append(chosen)
         active = [talk for talk in active if talk in stepping or talk.answered()]
-        if joint_possible and len(stepping) > 1 and linears_apart(stepping[0].run.state.model, len(stepping), 1):
-            begun = time.perf_counter()
-            logits, own = forward_branches([talk.run.state for talk in stepping], tokens)
-            rest = (time.perf_counter() - begun - sum(own)) / len(stepping)  # the shared forward, evenly
-            for talk, branch_logits, own_seconds in zip(stepping, logits, own):
-                begun = time.perf_counter()
-                talk.run.advance(branch_logits)
-                talk.seconds += own_seconds + rest + time.perf_counter() - begun
-            continue
-        for talk, chosen in zip(stepping, tokens):
-            begun = time.perf_counter()
-            talk.run.feed(chosen)
-            talk.seconds += time.perf_counter() - begun
+        for talk, step_seconds in zip(stepping, step_together([talk.run for talk in stepping], tokens, joint_possible,
+                                                              1)):
+            talk.seconds += step_seconds
     return [talk.generations for talk in talks]
 
 

@@ -5,9 +5,9 @@ A *branch* is one `GenerationSettings` (policy, budget, ...) continuing a shared
 the same, so `generate_branches` feeds every branch's next tokens through one forward: each branch's
 rows attend over its own cache with its own plan (`attention.JointForwardPlan`), and every linear layer
 (`F.linear`, which `nn.Linear` calls) computes a branch's rows as one entry of a batched matmul, or for a few
-branches as its own product (`BranchwiseLinears`, a torch function mode: no module is patched) — bit for bit what the branch's own forward computes, where one matmul over all
-branches' rows would not be (a row's result depends on how many rows the kernel is given: 25 rows at
-once differ from one at a time in the last bits). Before branches decode together, probes check
+branches as its own product (`BranchwiseLinears`, a torch function mode: no module is patched) — bit for bit
+what the branch's own forward computes, where one matmul over all branches' rows would not be (a row's result
+depends on how many rows the kernel is given: 25 rows at once differ from one at a time in the last bits). Before branches decode together, probes check
 exactly that on this model, device and shapes (`model_rows_apart`, `linears_apart`); where they fail
 (rows that meet outside `nn.Linear`, a device whose batched kernels differ) branches decode one by one.
 """
@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from evalkit.attention import JointForwardPlan, evalkit_attention
 from evalkit.loop.generate import Decoding, start
 from evalkit.loop.shared_prefill import SharedPrefill
-from evalkit.loop.state import Generation, GenerationSettings, Request, fed, forward, forward_inputs
+from evalkit.loop.state import Generation, GenerationSettings, Request, fed, forward_inputs
 
 # model -> {("model", rows per branch) or ("linears", branches, rows per branch): bool}, probed once each
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -51,7 +51,8 @@ def generate_branches(model, tokenizer, requests: list[Request], branches: list[
     return generations
 
 
-def branch_groups(model, branches: list[GenerationSettings], opened: Callable[[GenerationSettings], T]) -> Iterator[list[T]]:
+def branch_groups(model, branches: list[GenerationSettings],
+                  opened: Callable[[GenerationSettings], T]) -> Iterator[list[T]]:
     """The branches, opened (`opened(settings)`: a prefill forked, ready to decode; anything with the branch's
     loop `state`), in groups whose caches fit in half the free memory; the first branch's cache sizes them, and
     a group's caches go before the next group's come."""
@@ -65,7 +66,6 @@ def branch_groups(model, branches: list[GenerationSettings], opened: Callable[[G
 
 
 def _decode_together(runs: list[Decoding], joint_possible: bool, batch: int) -> list[list[Generation]]:
-    model = runs[0].state.model
     seconds = [0.0] * len(runs)
     active = list(range(len(runs)))
     while active:
@@ -75,21 +75,32 @@ def _decode_together(runs: list[Decoding], joint_possible: bool, batch: int) -> 
             tokens[i] = runs[i].next_tokens()
             seconds[i] += time.perf_counter() - begun
         active = [i for i in active if tokens[i] is not None]
-        if joint_possible and len(active) > 1 and linears_apart(model, len(active), batch):
-            begun = time.perf_counter()
-            logits, own = forward_branches([runs[i].state for i in active], [tokens[i] for i in active])
-            rest = (time.perf_counter() - begun - sum(own)) / len(active)
-            for i, branch_logits, own_seconds in zip(active, logits, own):
-                begun = time.perf_counter()
-                runs[i].advance(branch_logits)
-                seconds[i] += own_seconds + rest + time.perf_counter() - begun
-            continue
-        for i in active:
-            begun = time.perf_counter()
-            logits, _ = forward(runs[i].state, tokens[i])
-            runs[i].advance(logits)
-            seconds[i] += time.perf_counter() - begun
+        spent = step_together([runs[i] for i in active], [tokens[i] for i in active], joint_possible, batch)
+        for i, step_seconds in zip(active, spent):
+            seconds[i] += step_seconds
     return [run.generations(s) for run, s in zip(runs, seconds)]
+
+
+def step_together(runs: list[Decoding], tokens: list[list[list[int]]], joint_possible: bool,
+                  batch: int) -> list[float]:
+    """One decode step, each run fed its `tokens`: through one forward where the probes allow it (each run's own
+    otherwise). Each run's seconds: its own work plus an even share of the joint forward's rest."""
+    if joint_possible and len(runs) > 1 and linears_apart(runs[0].state.model, len(runs), batch):
+        begun = time.perf_counter()
+        logits, own = forward_branches([run.state for run in runs], tokens)
+        rest = (time.perf_counter() - begun - sum(own)) / len(runs)
+        seconds = []
+        for run, branch_logits, own_seconds in zip(runs, logits, own):
+            begun = time.perf_counter()
+            run.advance(branch_logits)
+            seconds.append(own_seconds + rest + time.perf_counter() - begun)
+        return seconds
+    seconds = []
+    for run, chosen in zip(runs, tokens):
+        begun = time.perf_counter()
+        run.feed(chosen)
+        seconds.append(time.perf_counter() - begun)
+    return seconds
 
 
 def _free_memory(device: torch.device) -> int:

@@ -103,7 +103,7 @@ class LoopState:
     collect_moments: bool = False  # add this phase's queries to `moments`
     reconstruction: ReconstructionPrompts | None = None  # for a policy that `reconstructs` (KVzip)
     reconstruction_seconds: float = 0.0  # spent reconstructing (part of the prefill's seconds)
-    sliding_windows: list[int | None] = field(default_factory=list)  # per layer: its sliding window, None (global); [] = none
+    sliding_windows: list[int | None] = field(default_factory=list)  # per layer: W, None (global); [] = none slides
 
 
 def forward(state: LoopState, tokens: list[list[int]], all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,9 +195,9 @@ def new_cache(model, settings: GenerationSettings, peak: torch.Tensor, after_pre
 def full_cache_bytes(state: LoopState, tokens: torch.Tensor) -> torch.Tensor:
     """[B] KV bytes a full cache holds after `tokens` [B] tokens per sequence: all of them in a global layer, the
     last W - 1 in a sliding layer of window W (what transformers' own cache keeps), every KV head."""
-    sliding_windows = state.sliding_windows or [None] * len(state.cache.layers)
+    windows = state.sliding_windows or [None] * len(state.cache.layers)
     return sum(tokens.clamp(max=NO_LIMIT if window is None else window - 1) * layer.token_bytes * layer.kv_heads
-               for layer, window in zip(state.cache.layers, sliding_windows))
+               for layer, window in zip(state.cache.layers, windows))
 
 
 def split_prompts(requests, query_aware: bool) -> tuple[list[list[int]], list[list[int]]]:
