@@ -33,7 +33,7 @@ run: setup
 test: setup browser
 	$(OFFLINE) $(VENV)/bin/pytest -q
 
-# The fast tier (92 s on the 2-core machine, README): the tests marked neither `model` (they need the default model's
+# The fast tier (92 s on the 2-core machine, docs/running.md): the tests marked neither `model` (they need the default model's
 # files, even only its tokenizer) nor `slow` (2 s or more each, Chromium's among them, and three in four of the
 # oracle's cases). Each test carries its marker and the reason; tests/conftest.py ("Two tiers") says how.
 # Two pytest-xdist workers, one torch thread each.
