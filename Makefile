@@ -30,8 +30,9 @@ browser:
 run: setup
 	$(OFFLINE) $(VENV)/bin/evalkit run --policy h2o_head --budget 0.2
 
+# Every test, on two pytest-xdist workers with one torch thread each (docs/running.md, "Tests").
 test: setup browser
-	$(OFFLINE) $(VENV)/bin/pytest -q
+	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/pytest -q -n 2
 
 # The fast tier (92 s on the 2-core machine, docs/running.md): the tests marked neither `model` (they need the default model's
 # files, even only its tokenizer) nor `slow` (2 s or more each, Chromium's among them, and three in four of the

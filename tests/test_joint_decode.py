@@ -52,6 +52,7 @@ def shared_prefill(model, batch, cells, query_aware):
                          set().union(*(prefill_statistics(c.policy) for c in cells)))
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"], ids=["llama", "qwen2 (biased projections)"])
 @pytest.mark.parametrize("count", [3, 12], ids=["3 cells (own products)", "12 cells (batched matmul)"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole weights", "weights over 1 MiB in chunks"])

@@ -109,6 +109,7 @@ def make_case(B, H_kv, G, kind, S, T, dtype, seed, head_dim=32):
     return q, q_pos, k, v, slot_pos, table, head_tokens
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}-Hkv{s[1]}-G{s[2]}-{s[3]}-S{s[4]}")
 @pytest.mark.parametrize("T, splits, window", [(1, 1, 0), (1, 3, 0), (5, 1, 0), (7, 1, 24)],
@@ -129,6 +130,7 @@ def test_paged_attention_matches_reference(request, shape, dtype, T, splits, win
     assert_close(lse[~empty], ref_lse[~empty], TOLERANCE[dtype], ATOL[dtype], "log-sum-exp", seed)
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"B{s[0]}-Hkv{s[1]}-G{s[2]}-{s[3]}-S{s[4]}")
 @pytest.mark.parametrize("T, counted_last, window", [(1, None, 0), (9, None, 0), (9, 3, 0), (9, None, 30)],

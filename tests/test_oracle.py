@@ -12,7 +12,7 @@ Cases whose policy is identical to an earlier one (e.g. `h2o_page` at granularit
 `h2o_head`) are not repeated; granularities a policy refuses are listed as skips. A policy the
 oracle has no rule for fails until tests/oracle.py learns it. CriticalKV and Ada-KV over every scorer
 (`critical_<scorer>`, `adakv_<scorer>`) are marked `slow`, and so are three in four of the other cases of the
-main and hyper-parameter tables (the fast tier runs a stable sample: helpers.fast_tier_keeps_one_in). Cases
+main and hyper-parameter tables (the fast tier runs a stable sample: the `fast_tier_keeps_one_in` marker, tests/conftest.py). Cases
 where evalkit departs from the rules (KNOWN_DEVIATIONS) are strict xfails, each with its reason.
 
 Every hyper-parameter of every family also leaves its default in some case (HYPER_CASES, with other block
@@ -54,7 +54,6 @@ import pytest
 import torch
 
 from conftest import SHORT_PROMPT_ARGS, TINY, tiny_config
-from helpers import fast_tier_keeps_one_in
 from oracle import (FAMILIES, Settings, Spec, budget_tokens, duo_streaming, kvzip_prompts, published_spec,
                     pyramid_budgets, run_oracle)
 from test_policies import every_name, published_granularity
@@ -402,8 +401,8 @@ def first_difference(where, phase, ours, theirs, trace, events) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name, granularity, args, budget, env", fast_tier_keeps_one_in(
-    4, "tests/test_oracle.py::test_evalkit_keeps_what_the_oracle_keeps", _cases()))
+@pytest.mark.fast_tier_keeps_one_in(4)
+@pytest.mark.parametrize("name, granularity, args, budget, env", _cases())
 def test_evalkit_keeps_what_the_oracle_keeps(name, granularity, args, budget, env):
     if family_of(name) is None:
         pytest.fail(f"policy {name!r} is registered but tests/oracle.py has no rule for it")
@@ -521,9 +520,9 @@ def _hyper_id(name, granularity, args, budget, env, sizes) -> str:
     return f"{name}-{granularity}-{label}-{budget}-{'kvpress' if env is KVPRESS else env['prefill']}"
 
 
-@pytest.mark.parametrize("name, granularity, args, budget, env, sizes", fast_tier_keeps_one_in(
-    4, "tests/test_oracle.py::test_hyper_parameters_against_the_oracle",
-    [pytest.param(*case, id=_hyper_id(*case), marks=_known(_hyper_id(*case))) for case in HYPER_CASES]))
+@pytest.mark.fast_tier_keeps_one_in(4)
+@pytest.mark.parametrize("name, granularity, args, budget, env, sizes",
+                         [pytest.param(*case, id=_hyper_id(*case), marks=_known(_hyper_id(*case))) for case in HYPER_CASES])
 def test_hyper_parameters_against_the_oracle(name, granularity, args, budget, env, sizes):
     sizes = dict(sizes)
     requests = long_batch() if sizes.pop("long", False) else None
@@ -563,6 +562,7 @@ def _named_cases():
             for i, name in enumerate(every_name())]
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("name, granularity, env", _named_cases())
 def test_every_name_and_alias_runs_at_its_published_granularity(name, granularity, env):
     """A preset named after its granularity (`h2o_page`) must be the policy the main cases run at that
@@ -611,6 +611,7 @@ def _sliding_id(name, granularity, args, budget, env) -> str:
             f"{'' if env['decode_eviction'] else '-no_decode_eviction'}")
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("name, granularity, args, budget, env",
                          [pytest.param(*case, id=_sliding_id(*case)) for case in SLIDING_CASES])
 def test_sliding_window_layers_against_the_oracle(name, granularity, args, budget, env):

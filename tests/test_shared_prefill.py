@@ -125,6 +125,7 @@ def held_tokens(cache) -> list:
     return held, [layer.packed for layer in cache.layers]
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("layout, page_size, arch", [("paged", 4, "llama"), ("paged", 16, "llama"),
                                                      ("dense", 16, "llama"), ("paged", 4, "gemma3")])
 def test_a_cell_forked_compressed_holds_what_its_own_compression_leaves(layout, page_size, arch):

@@ -159,6 +159,7 @@ def _token_by_token(model, name: str, layout: str, mode: str):
     return score_rolling(model, sequences, [79, 79], settings, observe), kept
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("layout", ["paged", "dense"])
 @pytest.mark.parametrize("name", ["h2o_head", "h2o_page", "h2o_head_page", "snapkv_head_page", "streaming_llm",
                                   "tova_token"])

@@ -1,11 +1,14 @@
 """Intervals and paired tests (`evalkit.uncertainty`) against statsmodels' and scipy's own values."""
 
 import itertools
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 from scipy import stats
 from statsmodels.stats.contingency_tables import mcnemar
+from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.proportion import proportion_confint
 from statsmodels.stats.weightstats import DescrStatsW
 
@@ -13,7 +16,7 @@ from evalkit.errors import EvalkitError
 from evalkit.evaluations import aggregate
 from evalkit.tasks.ppl import perplexity_metrics
 from evalkit import uncertainty
-from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _on_one_step, compare, score_of,
+from evalkit.uncertainty import (ALPHA, RESAMPLES, SEED, _mcnemar_power, _on_one_step, compare, holm, score_of,
                                  samples_needed, score_interval)
 
 
@@ -323,3 +326,15 @@ def test_bad_comparisons_are_refused_in_one_line():
         compare(binary([0.5, float("nan")]), binary([0.2, 0.3]))
     with pytest.raises(EvalkitError, match="difference to detect"):
         samples_needed(0)
+
+
+# p-values as the tests give them: ties (1.0 for a comparison that cannot be made, equal exact p's) and tiny ones.
+_P_VALUES = st.lists(st.one_of(st.sampled_from([1.0, 0.5, 1e-4]), st.floats(0, 1), st.floats(1e-20, 1e-3)),
+                     min_size=1, max_size=40)
+
+
+@given(_P_VALUES)
+def test_holm_gives_statsmodels_adjusted_p_values_in_the_order_given(p_values):
+    with mock.patch("gc.collect"):  # statsmodels' Holm collects garbage on every call (evalkit.uncertainty.holm)
+        expected = list(multipletests(p_values, method="holm")[1])
+    assert holm(p_values) == pytest.approx(expected, rel=1e-12, abs=0)

@@ -8,11 +8,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
-from statsmodels.stats.multitest import multipletests
 
 from evalkit.errors import EvalkitError
 from evalkit.policies.names import policy_family
-from evalkit.uncertainty import compare
+from evalkit.uncertainty import compare, holm
 from evalkit.uncertainty.settings import ALPHA
 
 
@@ -74,7 +73,7 @@ def significance(entries: list, records: Callable[[object], list[dict]], label: 
                 continue
         if not tested:
             continue
-        adjusted = multipletests([result.p_value for *_, result in tested], alpha=ALPHA, method="holm")[1]
+        adjusted = holm([result.p_value for *_, result in tested])
         for (a, b, name, result), p in zip(tested, adjusted):
             test = Test(name, result.difference, float(p), bool(p < ALPHA))
             if name == "full":
