@@ -52,6 +52,7 @@ STUDY := study-lengths_query_aware granularity-query_aware granularity-query_agn
          study-lengths_query_agnostic study-scorers_4k study-ruler_4k_baseline study-ruler_4k study-ruler_4k_unsolved \
          study-gemma3_4k_baseline study-gemma3_4k study-gemma3_4k_unsolved \
          study-gemma3_8k_baseline study-gemma3_8k study-frontier_2k_agnostic study-frontier_2k_aware \
+         study-frontier_4k_agnostic study-frontier_gemma3_4k_agnostic \
          study-multiturn_2k study-multiturn_gemma3_2k study-long_answer_2k study-ppl_token_512
 
 study: $(STUDY)
