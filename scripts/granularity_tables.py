@@ -115,13 +115,15 @@ _DEFAULTS = RunConfig().to_dict()
 def load(folders: list[str]) -> list[dict]:
     """Every run folder with at least one finished sample; one still running (no metrics.json yet) is
     summarised from its finished samples. Its config holds every RunConfig field; a policy run is its
-    (scorer, granularity) as `policy_family` says."""
-    runs = []
+    (scorer, granularity) as `policy_family` says. A run id in two folders (a later grid's cell that an earlier
+    grid already ran: the same config, so the same answers) is one run, the copy with more finished samples; an
+    EvalkitError where the copies answer a sample differently."""
+    runs: dict[str, dict] = {}
     for folder in folders:
         for predictions in sorted(Path(folder).glob("*/predictions.jsonl")):
             run = predictions.parent
             records = RunDir(folder, run.name).predictions()  # skips a last line still being written
-            if not records:
+            if not records or not _more_of_the_same(runs.get(run.name), run, records):
                 continue
             provenance = json.loads((run / "config.json").read_text())
             stored = provenance["config"]
@@ -134,11 +136,21 @@ def load(folders: list[str]) -> list[dict]:
                            "held_over_full": held / full, "held_over_ideal": held / ideal}
             scorer, granularity = (None, None) if config["policy"] == "full" else \
                 policy_family(config["policy"], config["granularity"])
-            runs.append({"folder": run, "config": config, "metrics": metrics, "records": records,
-                         "scorer": scorer, "granularity": granularity,  # a StrEnum: equal to its name
-                         "prefill": {r["id"]: r["prefill_seconds"] for r in records},
-                         "created": provenance.get("created")})
-    return runs
+            runs[run.name] = {"folder": run, "config": config, "metrics": metrics, "records": records,
+                              "scorer": scorer, "granularity": granularity,  # a StrEnum: equal to its name
+                              "prefill": {r["id"]: r["prefill_seconds"] for r in records},
+                              "created": provenance.get("created")}
+    return list(runs.values())
+
+
+def _more_of_the_same(earlier: dict | None, folder: Path, records: list[dict]) -> bool:
+    """Whether `records` (of `folder`) should replace `earlier`, a loaded copy of the same run id."""
+    if earlier is None:
+        return True
+    answers = {r["id"]: (r["prediction"], r["score"]) for r in earlier["records"]}
+    if any(answers.get(r["id"], (r["prediction"], r["score"])) != (r["prediction"], r["score"]) for r in records):
+        raise EvalkitError(f"{earlier['folder']} and {folder} are copies of one run that answer a sample differently")
+    return len(records) > len(earlier["records"])
 
 
 def family_of(task: str) -> str:
@@ -319,6 +331,69 @@ def summary(groups: list[SettingRuns]) -> str:
               "not eviction results)", "",
               "| " + " | ".join(columns) + " |", "|" + "---|" * 7 + "---:|" * (len(columns) - 8) + "---|"]
     return "\n".join(header + ["| " + " | ".join(cells) + " |" for _, cells in sorted(lines)]) + "\n"
+
+
+def auc_table(groups: list[SettingRuns]) -> str:
+    """Which scorer and which granularity win, at a glance: per model, length and query mode (and the other
+    setting fields but the policy's arguments, which name a row instead), per scorer a row, per granularity the
+    area under its score-over-budget curve divided by the budgets' span (the trapezoid rule over the budgets
+    every granularity of the row ran: a mean score over budgets, in points), averaged over the tasks whose full
+    cache scores at least FULL_CACHE_FLOOR and where every granularity of the row ran those budgets. Each cell
+    scores the samples every cell of its row and task finished, so the row's granularities are compared on the
+    same samples; the full cache's column is its score on those samples. Rows by their best AUC, best first; a
+    row's best in bold."""
+    sections: dict[tuple, dict[tuple, dict[str, dict[str, dict]]]] = {}
+    for here in groups:
+        if here.cannot_do_task or here.full is None:
+            continue
+        for run in here.cells:
+            others = tuple(item for item in here.setting.others if item[0] != "policy_args")
+            section = (not here.setting.query_aware, here.setting.model, here.setting.length, others)
+            row = (run["scorer"], json.dumps(run["config"]["policy_args"], sort_keys=True))
+            cells = sections.setdefault(section, {}).setdefault(row, {}).setdefault(here.setting.task,
+                                                                                      {"full": here.full})
+            cells.setdefault(run["granularity"], {})[run["config"]["budget"]] = run
+    lines = []
+    for (agnostic, model, length, others), rows in sorted(sections.items()):
+        extra = ", ".join(f"{name}={value}" for name, value in others if name in ("samples", "seed"))
+        lines += [f"**{model}, {length:,} tokens, {'query-agnostic' if agnostic else 'query-aware'}"
+                  f"{f' ({extra})' if extra else ''}**: mean score over budgets (AUC / span, points)", "",
+                  "| scorer | " + " | ".join(GRANULARITY_ORDER) + " | full cache | budgets | tasks |",
+                  "|---|" + "---:|" * 5 + "---|---|"]
+        table = [_auc_row(scorer, json.loads(arguments), by_task) for (scorer, arguments), by_task in rows.items()]
+        for _, cells in sorted(row for row in table if row):
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _auc_row(scorer: str, arguments: dict, by_task: dict[str, dict[str, dict]]):
+    """(sort key, cells) of one scorer's row, or None where no task has two budgets at every granularity.
+    by_task: per task, "full" (the full cache's run) and per granularity its runs by budget."""
+    granularities = sorted({g for cells in by_task.values() for g in cells if g != "full"},
+                           key=GRANULARITY_ORDER.index)
+    by_task = {task: cells for task, cells in by_task.items() if len(cells) == len(granularities) + 1}
+    budgets = sorted(set.intersection(*(set(cells[g]) for cells in by_task.values() for g in granularities))) \
+        if by_task else []
+    if len(budgets) < 2:
+        return None
+    areas: dict[str, list[float]] = {g: [] for g in granularities}
+    full = []
+    for cells in by_task.values():
+        runs = [cells[g][b] for g in granularities for b in budgets] + [cells["full"]]
+        shared = set.intersection(*({r["id"] for r in run["records"]} for run in runs))
+        full.append(100 * statistics.fmean(r["score"] for r in cells["full"]["records"] if r["id"] in shared))
+        for g in granularities:
+            scores = [statistics.fmean(r["score"] for r in cells[g][b]["records"] if r["id"] in shared) for b in budgets]
+            area = sum((b1 - b0) * (s0 + s1) / 2 for b0, b1, s0, s1 in zip(budgets, budgets[1:], scores, scores[1:]))
+            areas[g].append(100 * area / (budgets[-1] - budgets[0]))
+    means = {g: statistics.fmean(values) for g, values in areas.items()}
+    best = max(means.values())
+    label = f"`{scorer}`" + "".join(f" {k}={v}" for k, v in sorted(arguments.items()))
+    cells = [label, *(("–" if g not in means else f"**{means[g]:.0f}**" if means[g] == best else f"{means[g]:.0f}")
+                      for g in GRANULARITY_ORDER), f"{statistics.fmean(full):.0f}",
+             " / ".join(f"{b:g}" for b in budgets), ", ".join(t.removeprefix("ruler:") for t in sorted(by_task))]
+    return (-best, label), cells
 
 
 def verdicts(tests: list[Paired | None]) -> list[str]:
@@ -622,6 +697,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", help="run folders written by `evalkit sweep` (runs/<name>)")
     parser.add_argument("--summary-only", action="store_true", help="print the summary table only")
+    parser.add_argument("--auc", action="store_true",
+                        help="print the table of mean scores over budgets alone (scorer x granularity, per mode)")
     parser.add_argument("--failures", action="store_true",
                         help="also print, per needle setting, how each cell's failed answers miss the value")
     parser.add_argument("--plots", metavar="DIR", type=Path,
@@ -630,6 +707,9 @@ def main() -> None:
     try:
         runs = load(args.folders)
         groups = group(runs)
+        if args.auc:
+            print(auc_table(groups))
+            return
         print(summary(groups))
         print(full_cache_table(runs))
         if not args.summary_only:

@@ -128,7 +128,7 @@ def test_policy_arguments_make_a_setting_compared_with_the_full_cache_without_th
 
 
 @pytest.mark.parametrize("second", [
-    {"policy": "snapkv_head"},  # the same run in a second folder
+    {"policy": "snapkv_head"},  # the same run in a second folder, with other answers
     {"policy": "snapkv", "granularity": "head"},  # `snapkv` is `snapkv_head`
     {"policy": "full", "budget": 1.0},
 ])
@@ -404,3 +404,54 @@ def test_failures_are_counted_on_the_samples_the_full_cache_answers(script, tmp_
             for line in text.splitlines() if line.startswith("| `")}
     assert rows["`snapkv_head` @ 0.2"] == ["3", "2", "1", "1", "0", "0"]
     assert rows["`snapkv_head_page` @ 0.2"] == ["3", "1", "0", "0", "0", "1"]
+
+
+def auc_rows(text: str) -> dict[str, list[str]]:
+    """The AUC table's rows by their scorer label: the cells after it."""
+    return {cells[0]: cells[1:] for cells in summary_rows(text) if cells[0] != "scorer"}
+
+
+def test_the_auc_table_averages_each_granularitys_score_over_budgets_and_tasks(script, tmp_path):
+    # Scores per budget 0.1 / 0.2 / 0.5 (10 samples each): the trapezoid over the span 0.4 by hand.
+    curves = {"head": (0.1, 0.2, 0.6), "head_page": (0.5, 0.8, 1.0), "token": (0.0, 0.1, 0.3), "page": (0.2, 0.4, 1.0)}
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 10)
+    for granularity, scores in curves.items():
+        for budget, score in zip((0.1, 0.2, 0.5), scores):
+            write_run(tmp_path, "ruler:niah_single_1", f"snapkv_{granularity}", budget,
+                      [1] * round(10 * score) + [0] * (10 - round(10 * score)))
+    # A second task: per-head tokens alone ran there, so it counts for no row (its granularities are not all there).
+    write_run(tmp_path, "ruler:niah_single_2", "full", 1.0, [1] * 10)
+    write_run(tmp_path, "ruler:niah_single_2", "snapkv_head", 0.1, [1] * 10)
+    write_run(tmp_path, "ruler:niah_single_2", "snapkv_head", 0.2, [1] * 10)
+    rows = auc_rows(script.auc_table(script.group(script.load([str(tmp_path)]))))
+
+    expected = {g: 100 * (0.1 * (s[0] + s[1]) / 2 + 0.3 * (s[1] + s[2]) / 2) / 0.4 for g, s in curves.items()}
+    assert expected == pytest.approx({"head": 33.75, "head_page": 83.75, "token": 16.25, "page": 60.0})
+    assert rows["`snapkv`"] == ["34", "**84**", "16", "60", "100", "0.1 / 0.2 / 0.5", "niah_single_1"]
+
+
+def test_the_auc_table_compares_a_rows_granularities_on_shared_samples_and_budgets(script, tmp_path):
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 10)
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [0] * 10, length=4096)  # below the floor: left out
+    for budget in (0.1, 0.5):
+        write_run(tmp_path, "ruler:niah_single_1", "h2o_head", budget, [1] * 10, length=4096)
+        write_run(tmp_path, "ruler:niah_single_1", "h2o_head", budget, [1] * 5 + [0] * 5)
+        # still going: 6 samples finished, so its row compares every granularity on those 6 (5 pass at head)
+        write_run(tmp_path, "ruler:niah_single_1", "h2o_head_page", budget, [0] * 6, finished=False, samples=10)
+    write_run(tmp_path, "ruler:niah_single_1", "h2o_head", 0.2, [1] * 10)  # per-head tokens only: not a row budget
+    write_run(tmp_path, "ruler:niah_single_1", "kvzip_head", 0.1, [1] * 10, policy_args={"layerwise": "true"})
+    write_run(tmp_path, "ruler:niah_single_1", "kvzip_head", 0.5, [1] * 10, policy_args={"layerwise": "true"})
+    text = script.auc_table(script.group(script.load([str(tmp_path)])))
+
+    assert [line for line in text.splitlines() if line.startswith("**")] == [
+        "**smollm2-135m, 2,048 tokens, query-aware (samples=10, seed=0)**: mean score over budgets (AUC / span, points)"]
+    rows = auc_rows(text)
+    assert rows["`h2o`"] == ["**83**", "0", "–", "–", "100", "0.1 / 0.5", "niah_single_1"]
+    assert list(rows) == ["`kvzip` layerwise=true", "`h2o`"]  # best first
+
+
+def test_a_run_in_two_folders_is_tabled_once_from_the_copy_with_more_samples(script, tmp_path):
+    for folder, scores in (("a", [1] * 4), ("b", [1] * 4 + [0] * 6), ("c", [1] * 3)):
+        write_run(tmp_path / folder, "ruler:niah_single_1", "full", 1.0, scores, samples=10)
+    (run,) = script.load([str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")])
+    assert len(run["records"]) == 10 and run["folder"].parent.name == "b"
