@@ -1,0 +1,259 @@
+"""The tables and plots of the scenarios where the cache turns over (docs/granularity.md, "When the cache turns
+over", issue #48), from run folders: several questions on one context (`ruler:multiturn_niah`,
+`ruler:multiturn_kv`), long answers (`long:recite_list`, `long:recite_passage`) and token-by-token perplexity
+(`ppl`).
+
+    .venv/bin/python scripts/scenario_tables.py runs/study --task ruler:multiturn_niah [--plot docs/img/turns.png]
+    .venv/bin/python scripts/scenario_tables.py runs/study --task long:recite_list --summary
+
+Runs are grouped by setting: model, length, query mode and the task's arguments. Per setting:
+- `--summary`: per scorer and budget, a column per granularity, the run's score as evalkit scores it (the mean
+  over turns; lines in order; the perplexity over all scored tokens), the full cache's in the heading; for long
+  answers a second table, each run's answer tokens over the full cache's on the samples both finished (above 1:
+  eviction made answers longer, or loop).
+- otherwise a row per run: samples, score with its 95 % interval, then per scenario: each turn's score and the
+  KV held as the last turn's answer began; the mean word-level edit similarity and the answer tokens over the
+  full cache's; nothing more for perplexity. Then each granularity against per-head tokens of the same scorer and
+  budget on the samples both finished (`evalkit compare`'s paired test, Holm-adjusted over the tests printed).
+- `--plot FILE`: multi-turn, the score by turn, a panel per budget; long answers and perplexity, the score
+  against the budget, a panel per scorer; a line per granularity, the full cache dashed.
+Runs still being written are read as far as they go (a torn last line is left for later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from evalkit.policies.names import policy_family
+from evalkit.report.answer import policy_name
+from evalkit.uncertainty import compare, holm, score_interval, score_of
+
+GRANULARITIES = ("head", "head_page", "token", "page")
+
+
+def load(folders: list[str], task: str) -> list[dict]:
+    """Each run of `task` with a finished sample: its config and records."""
+    runs = []
+    for folder in folders:
+        for config_path in sorted(Path(folder).glob("*/config.json")):
+            config = json.loads(config_path.read_text())["config"]
+            predictions = config_path.parent / "predictions.jsonl"
+            if config["task"] != task or not predictions.exists():
+                continue
+            records = []
+            for line in predictions.read_text().splitlines():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:  # a line being written
+                    break
+            if records:
+                runs.append({"config": config, "records": records})
+    return runs
+
+
+def kind_of(runs: list[dict]) -> str:
+    record = runs[0]["records"][0]
+    return "turns" if "turns" in record else "perplexity" if "nll" in record else "answers"
+
+
+def setting_of(config: dict) -> tuple:
+    mode = "question seen" if config["query_aware"] else "question unseen"
+    arguments = ", ".join(f"{k}={v}" for k, v in sorted(config.get("task_args", {}).items()))
+    return config["model"], config["length"], mode, arguments
+
+
+def heading(setting: tuple) -> str:
+    model, length, mode, arguments = setting
+    return f"{model}, {length:,} tokens, {mode}" + (f", {arguments}" if arguments else "")
+
+
+def family_of(config: dict) -> tuple[str, str]:
+    """(scorer, granularity) of what a run ran; the full cache's is ("full", "")."""
+    if config["policy"] == "full":
+        return "full", ""
+    scorer, granularity = policy_family(config["policy"], config.get("granularity"))
+    return scorer, granularity.value
+
+
+def shared(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The records of the samples both runs finished, in `a`'s order."""
+    ids = {r["id"] for r in a} & {r["id"] for r in b}
+    by_id = {r["id"]: r for r in b}
+    return [r for r in a if r["id"] in ids], [by_id[r["id"]] for r in a if r["id"] in ids]
+
+
+def length_over_full(run: dict, full: dict | None) -> float | None:
+    """The run's answer tokens over the full cache's, on the samples both finished."""
+    if full is None:
+        return None
+    mine, theirs = shared(run["records"], full["records"])
+    total = sum(r["new_tokens"] for r in theirs)
+    return sum(r["new_tokens"] for r in mine) / total if total else None
+
+
+def paired(runs: list[dict]) -> list[tuple[str, str, float, object]]:
+    """(scorer, granularity, budget, Comparison against per-head tokens) on the samples both finished."""
+    by_key = {(*family_of(r["config"]), r["config"]["budget"]): r for r in runs if r["config"]["policy"] != "full"}
+    tests = []
+    for (scorer, granularity, budget), run in sorted(by_key.items(), key=lambda kv: str(kv[0])):
+        base = by_key.get((scorer, "head", budget))
+        if granularity == "head" or base is None:
+            continue
+        a, b = shared(run["records"], base["records"])
+        if len(a) >= 2:
+            tests.append((scorer, granularity, budget, compare(a, b, detect=None)))
+    return tests
+
+
+def _points(kind: str, value: float) -> str:
+    return f"{value:.2f}" if kind == "perplexity" else f"{100 * value:.1f}"
+
+
+def summary(runs: list[dict]) -> str:
+    kind, lines = kind_of(runs), []
+    for setting, here in by_setting(runs):
+        cells = {(*family_of(r["config"]), r["config"]["budget"]): r for r in here}
+        full = cells.get(("full", "", 1.0))
+        score = "perplexity" if kind == "perplexity" else "mean over turns, %" if kind == "turns" else "score, %"
+        n = min(len(r["records"]) for r in here)
+        lines += [f"### {heading(setting)}: {score} (n ≥ {n} a cell"
+                  + (f"; full cache {_points(kind, score_of(full['records']))}" if full else "") + ")", ""]
+        lines += _grid(cells, lambda run: _points(kind, score_of(run["records"])))
+        if kind == "answers":
+            lines += ["", "Answer tokens over the full cache's, on the samples both finished:", ""]
+            lines += _grid(cells, lambda run: f"{length_over_full(run, full):.2f}" if full else "")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _grid(cells: dict, shown) -> list[str]:
+    rows = sorted({(scorer, budget) for scorer, _, budget in cells if scorer != "full"})
+    return ["| scorer | budget | " + " | ".join(GRANULARITIES) + " |", "|---|---|" + "---:|" * len(GRANULARITIES),
+            *(f"| {scorer} | {budget} | " + " | ".join(shown(cells[scorer, g, budget]) if (scorer, g, budget) in cells
+                                                      else "" for g in GRANULARITIES) + " |"
+              for scorer, budget in rows)]
+
+
+def tables(runs: list[dict]) -> str:
+    kind, lines = kind_of(runs), []
+    for setting, here in by_setting(runs):
+        full = next((r for r in here if r["config"]["policy"] == "full"), None)
+        turns = len(here[0]["records"][0]["turns"]) if kind == "turns" else 0
+        extra = {"turns": [f"turn {t + 1}" for t in range(turns)] + ["KV held / full, last turn"],
+                 "answers": ["edit similarity", "answer tokens / full cache's"], "perplexity": []}[kind]
+        lines += [f"### {heading(setting)}", "", "| policy | budget | n | score (95 % CI) | " + " | ".join(extra) + " |",
+                  "|---|---|---|---|" + "---|" * len(extra)]
+        for run in sorted(here, key=lambda r: (r["config"]["policy"] != "full", policy_name(r["config"]),
+                                               r["config"]["budget"])):
+            records, interval = run["records"], score_interval(run["records"])
+            ci = f" ({_points(kind, interval.ci_low)}–{_points(kind, interval.ci_high)})" \
+                if interval.ci_low is not None else ""
+            if kind == "turns":
+                held = sum(r["turns"][-1]["bytes_held"] for r in records) / sum(r["turns"][-1]["bytes_full"]
+                                                                                  for r in records)
+                more = [_points(kind, sum(r["turns"][t]["score"] for r in records) / len(records))
+                        for t in range(turns)] + [f"{100 * held:.1f}%"]
+            elif kind == "answers":
+                ratio = length_over_full(run, full)
+                more = [f"{100 * sum(r['details']['edit_similarity'] for r in records) / len(records):.1f}",
+                        "" if ratio is None else f"{ratio:.2f}"]
+            else:
+                more = []
+            lines.append(f"| {policy_name(run['config'])} | {run['config']['budget']} | {len(records)} | "
+                         f"{_points(kind, score_of(records))}{ci} | " + " | ".join(more) + " |")
+        tests = paired(here)
+        if tests:
+            lines += ["", f"Each granularity against per-head tokens, same scorer and budget (Holm over these "
+                          f"{len(tests)} tests):", "", "| scorer | granularity | budget | n | difference | p (Holm) |",
+                      "|---|---|---|---|---|---|"]
+            for (scorer, granularity, budget, test), p in zip(tests, holm([t.p_value for *_, t in tests])):
+                difference = f"{test.difference:+.2f}" if kind == "perplexity" else f"{100 * test.difference:+.1f}"
+                lines.append(f"| {scorer} | {granularity} | {budget} | {test.n} | {difference} | {p:.3g} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def by_setting(runs: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    settings = sorted({setting_of(r["config"]) for r in runs}, key=str)
+    return [(s, [r for r in runs if setting_of(r["config"]) == s]) for s in settings]
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """One figure for the first setting (`--task` and the folders choose it)."""
+    kind = kind_of(runs)
+    setting, here = by_setting(runs)[0]
+    full = next((r for r in here if r["config"]["policy"] == "full"), None)
+    cells = {(*family_of(r["config"]), r["config"]["budget"]): r for r in here if r is not full}
+    if kind == "turns":
+        panels = sorted({budget for *_, budget in cells})
+        every = sorted(s for s in {scorer for scorer, *_ in cells}
+                       if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
+    else:
+        panels = sorted({scorer for scorer, *_ in cells})
+    figure = Figure(figsize=(3.6 * len(panels), 3.4), dpi=110)
+    for number, panel in enumerate(panels, 1):
+        axes = figure.add_subplot(1, len(panels), number)
+        for color, granularity in zip(matplotlib.colormaps["tab10"].colors, GRANULARITIES):
+            if kind == "turns":  # the mean by turn over the scorers run at every granularity
+                lines = [by_turn(run) for (s, g, b), run in cells.items() if b == panel and g == granularity
+                         and s in every]
+                if lines:
+                    axes.plot(range(1, len(lines[0]) + 1), [sum(c) / len(c) for c in zip(*lines)], marker="o",
+                              color=color, label=granularity)
+            else:
+                points = sorted((b, score_of(run["records"])) for (s, g, b), run in cells.items()
+                                if s == panel and g == granularity)
+                if points:
+                    axes.plot(*zip(*[(b, _scale(kind, y)) for b, y in points]), marker="o", color=color,
+                              label=granularity)
+        if full is not None:
+            line = by_turn(full) if kind == "turns" else [_scale(kind, score_of(full["records"]))] * 2
+            xs = range(1, len(line) + 1) if kind == "turns" else axes.get_xlim()
+            axes.plot(xs, line, color="gray", linestyle="--", label="full cache")
+        axes.set_title(f"budget {panel}" if kind == "turns" else panel, fontsize=9)
+        axes.set_xlabel("turn" if kind == "turns" else "budget")
+        if kind == "turns":
+            axes.xaxis.get_major_locator().set_params(integer=True)
+        if kind != "perplexity":
+            axes.set_ylim(-3, 103)
+        axes.grid(alpha=0.3)
+    figure.axes[0].set_ylabel({"turns": "score (%)", "answers": "score (%)", "perplexity": "perplexity"}[kind])
+    figure.axes[-1].legend(fontsize=8)
+    about = f"the mean over {', '.join(every)}" if kind == "turns" else "a panel per scorer"
+    figure.suptitle(f"{heading(setting)}: a line per granularity, {about}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def by_turn(run: dict) -> list[float]:
+    records = run["records"]
+    return [100 * sum(r["turns"][t]["score"] for r in records) / len(records) for t in range(len(records[0]["turns"]))]
+
+
+def _scale(kind: str, value: float) -> float:
+    return value if kind == "perplexity" else 100 * value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folders", nargs="+")
+    parser.add_argument("--task", default="ruler:multiturn_niah")
+    parser.add_argument("--plot", type=Path, help="write the figure of the first setting here")
+    parser.add_argument("--summary", action="store_true", help="only the scores, scorer x granularity")
+    args = parser.parse_args()
+    runs = load(args.folders, args.task)
+    if not runs:
+        sys.exit(f"error: no {args.task} runs under {', '.join(args.folders)}")
+    print(summary(runs) if args.summary else tables(runs))
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()

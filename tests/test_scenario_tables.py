@@ -1,0 +1,110 @@
+"""scripts/scenario_tables.py on tiny run folders written here as the runner writes them (no model): multi-turn,
+long-answer and perplexity runs."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from scipy import stats
+
+_PATH = Path(__file__).resolve().parent.parent / "scripts" / "scenario_tables.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("scenario_tables", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["scenario_tables"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(root: Path, task: str, policy: str, budget: float, records: list[dict], **fields) -> None:
+    config = {"task": task, "policy": policy, "budget": budget, "model": "smollm2-135m", "length": 2048,
+              "query_aware": False, "granularity": None, "task_args": {}, **fields}
+    run = root / f"{task.split(':')[-1]}-{policy}-{budget}-{len(list(root.glob('*'))) if root.exists() else 0}"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"config": config}))
+    (run / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def conversation(sample: int, scores: list[float], held: float = 0.5) -> dict:
+    turns = [{"turn": t + 1, "score": s, "bytes_held": held, "bytes_full": 1.0} for t, s in enumerate(scores)]
+    return {"id": f"s{sample}", "score": sum(scores) / len(scores), "turns": turns}
+
+
+def answer(sample: int, score: float, new_tokens: int, similarity: float = 0.5) -> dict:
+    return {"id": f"s{sample}", "score": score, "new_tokens": new_tokens, "details": {"edit_similarity": similarity}}
+
+
+def passage(sample: int, nll: float, tokens: int = 10) -> dict:
+    return {"id": f"s{sample}", "score": math.exp(nll / tokens), "nll": nll, "scored_tokens": tokens}
+
+
+def rows(text: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| scorer |") and not line.startswith("| policy |")]
+
+
+def test_multi_turn_runs_are_scored_by_turn_and_their_granularities_tested_on_shared_samples(script, tmp_path):
+    task = "ruler:multiturn_niah"
+    write_run(tmp_path, task, "full", 1.0, [conversation(i, [1, 1, 0, 1], held=1.0) for i in range(10)],
+              task_args={"turns": "4"})
+    write_run(tmp_path, task, "h2o_head", 0.5, [conversation(i, [0, 0, 0, 0]) for i in range(10)],
+              task_args={"turns": "4"})
+    # still going: 8 samples, each turn found
+    write_run(tmp_path, task, "h2o_head_page", 0.5, [conversation(i, [1, 1, 1, 1]) for i in range(8)],
+              task_args={"turns": "4"})
+    runs = script.load([str(tmp_path)], task)
+
+    summary = script.summary(runs)
+    assert "### smollm2-135m, 2,048 tokens, question unseen, turns=4: mean over turns, % (n ≥ 8 a cell; " \
+           "full cache 75.0)" in summary
+    assert rows(summary) == [["h2o", "0.5", "0.0", "100.0", "", ""]]
+    table = script.tables(runs)
+    # every sample scores 0.75 over its turns: a bootstrap interval of one value
+    assert ["full", "1.0", "10", "75.0 (75.0–75.0)", "100.0", "100.0", "0.0", "100.0", "100.0%"] in rows(table)
+    # the per-head pages against per-head tokens on the 8 samples both finished: 8 discordant of 8, exact McNemar
+    (test,) = [row for row in rows(table) if row[:3] == ["h2o", "head_page", "0.5"]]
+    assert test[3:] == ["8", "+100.0", f"{stats.binomtest(8, 8).pvalue:.3g}"]
+
+
+def test_long_answers_set_each_runs_answer_length_against_the_full_caches_on_shared_samples(script, tmp_path):
+    task = "long:recite_list"
+    write_run(tmp_path, task, "full", 1.0, [answer(i, 1.0, 100, similarity=0.9) for i in range(4)])
+    write_run(tmp_path, task, "snapkv_head", 0.2, [answer(i, 0.25, 150) for i in range(4)])
+    write_run(tmp_path, task, "snapkv_page", 0.2, [answer(i, 0.5, 50) for i in range(2)])  # 2 samples so far
+    runs = script.load([str(tmp_path)], task)
+
+    summary = script.summary(runs)
+    assert rows(summary) == [["snapkv", "0.2", "25.0", "", "", "50.0"], ["snapkv", "0.2", "1.50", "", "", "0.50"]]
+    table = {row[0]: row for row in rows(script.tables(runs)) if len(row) == 6}
+    assert table["full"][4:] == ["90.0", "1.00"]
+    assert table["snapkv_head"][4:] == ["50.0", "1.50"]
+
+
+def test_perplexity_runs_show_perplexity_over_all_scored_tokens(script, tmp_path):
+    write_run(tmp_path, "ppl", "full", 1.0, [passage(0, 10.0), passage(1, 30.0)], length=512)
+    write_run(tmp_path, "ppl", "h2o_token", 0.2, [passage(0, 20.0), passage(1, 40.0)], length=512)
+    runs = script.load([str(tmp_path)], "ppl")
+
+    summary = script.summary(runs)
+    assert f"full cache {math.exp(2.0):.2f})" in summary  # exp(40 / 20 tokens), not the mean of the two passages
+    assert rows(summary) == [["h2o", "0.2", "", "", f"{math.exp(3.0):.2f}", ""]]
+
+
+@pytest.mark.parametrize("task, records", [
+    ("ruler:multiturn_niah", [conversation(i, [1, 0]) for i in range(3)]),
+    ("long:recite_list", [answer(i, 0.5, 10) for i in range(3)]),
+    ("ppl", [passage(i, 5.0) for i in range(3)]),
+])
+def test_a_plot_is_written_for_each_scenario(script, tmp_path, task, records):
+    for policy in ("full", "h2o_head", "h2o_head_page"):
+        for budget in ((1.0,) if policy == "full" else (0.2, 0.5)):
+            write_run(tmp_path / "runs", task, policy, budget, records)
+    path = tmp_path / "figure.png"
+    script.plot(script.load([str(tmp_path / "runs")], task), path)
+    assert path.read_bytes().startswith(b"\x89PNG")
