@@ -38,6 +38,7 @@ def _every_policy_and_granularity():
     return cases
 
 
+@pytest.mark.fast_tier_keeps_one_in(2)
 @pytest.mark.parametrize("policy", _every_policy_and_granularity())
 def test_every_policy_and_granularity_keeps_between_a_page_short_and_the_budget(policy):
     model = tiny_model("llama", kv_heads=2)
