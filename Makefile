@@ -34,10 +34,10 @@ run: setup
 test: setup browser
 	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/pytest -q -n 2
 
-# The fast tier (92 s on the 2-core machine, docs/running.md): the tests marked neither `model` (they need the default model's
-# files, even only its tokenizer) nor `slow` (2 s or more each, Chromium's among them, and three in four of the
-# oracle's cases). Each test carries its marker and the reason; tests/conftest.py ("Two tiers") says how.
-# Two pytest-xdist workers, one torch thread each.
+# The fast tier (55 s on the idle 2-core machine, docs/running.md): the tests marked neither `model` (they need the
+# default model's files, even only its tokenizer) nor `slow` (2 s or more each, Chromium's among them, and the cases
+# of the big equivalence tables outside the tier's sample: `fast_tier_keeps_one_in`). Each test carries its marker
+# and the reason; tests/conftest.py ("Two tiers") says how. Two pytest-xdist workers, one torch thread each.
 test-fast: setup
 	OMP_NUM_THREADS=1 $(OFFLINE) $(VENV)/bin/pytest -q -n 2 -m "not model and not slow"
 
