@@ -1,6 +1,7 @@
 """Policies by name. Importing this package registers every built-in policy."""
 
-from evalkit.policies.base import Policy, ScoreInput, policy_args
+from evalkit.policies.arguments import policy_args
+from evalkit.policies.base import Policy, ScoreInput
 from evalkit.policies.names import POLICIES, make_policy
 from evalkit.policies.budget import Budget, fraction_of, parse_budget, tokens_for
 from evalkit.policies.selection import GRANULARITIES, PAGE_GRANULARITIES, keep_mask

@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import Policy, arg
+from evalkit.policies.arguments import arg
+from evalkit.policies.base import Policy
 from evalkit.policies.names import POLICIES, register_wrapper
 from evalkit.policies.scorers import SCORERS
 from evalkit.policies.selection import (ABSENT, RANKED, Granularity, keep_order, keep_rank, position_space,

@@ -5,25 +5,15 @@ The exact rules (budgets, statistics, protected tokens, selection) are docs/poli
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from evalkit.errors import EvalkitError
-from evalkit.policies.budget import TOKEN_LIMIT, Budget, check_budget
+from evalkit.policies.arguments import PROMPT, arg, check_ranges, check_token_counts
+from evalkit.policies.budget import Budget, check_budget
 from evalkit.policies.score_input import ScoreInput
 from evalkit.policies.selection import PAGE_GRANULARITIES, Granularity, keep_mask
-
-
-PROMPT = "the prompt"  # a hyper-parameter's upper bound: at most the run's prompt tokens (`check_fits`)
-
-
-def arg(default, low: float, high: float | str = TOKEN_LIMIT - 1):
-    """A hyper-parameter field and its range [low, high], checked by `Policy.check` (`high` = PROMPT:
-    a token count no larger than the prompt, checked by `Policy.check_fits` once the length is known)."""
-    return field(default=default, metadata={"range": (low, high)})
 
 
 @dataclass
@@ -112,42 +102,17 @@ class Policy:
 
     def check(self) -> None:
         """Raise EvalkitError when a hyper-parameter is out of its declared range (`arg`)."""
-        for name, (low, high) in _ranges(self).items():
-            value = getattr(self, name)
-            if not low <= value <= (TOKEN_LIMIT - 1 if high == PROMPT else high):
-                shown = f"in [{low}, --length]" if high == PROMPT else f"in [{low}, {high}]"
-                raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} must be {shown}, got {value}")
+        check_ranges(self)
 
     def check_fits(self, length: int, positions: int | None = None) -> None:
         """Refuse a token-count hyper-parameter larger than a `length`-token prompt (a window of a billion
         tokens would pool over a billion positions while decoding); `positions`: the model's, where known."""
-        for name, (low, high) in _ranges(self).items():
-            if high == PROMPT and getattr(self, name) > length:
-                raise EvalkitError(f"{self.name}: policy-arg {_arg_name(self, name)} {getattr(self, name)} is more "
-                                   f"than --length {length}: it must be in [{low}, {length}]")
+        check_token_counts(self, length)
 
     def check_budget(self, budget: Budget, page_size: int, length: int) -> None:
         """Refuse a budget that keeps less than one token, or less than one page at a page granularity."""
         whole_pages = self.granularity in PAGE_GRANULARITIES and self.evicts
         check_budget(budget, length, page_size, self.granularity if whole_pages else None)
-
-
-def policy_args(policy: Policy) -> dict[str, type]:
-    """The hyper-parameters `--policy-arg` may set, with their types."""
-    hints = {f.name: type(getattr(policy, f.name)) for f in dataclasses.fields(policy) if f.init}
-    return {name: kind for name, kind in hints.items() if name not in ("granularity", "name")}
-
-
-def _ranges(policy: Policy) -> dict[str, tuple]:
-    return {f.name: f.metadata["range"] for f in dataclasses.fields(policy) if "range" in f.metadata}
-
-
-def _arg_name(policy: Policy, name: str) -> str:
-    """The name `--policy-arg` knows a field by: as the user spelled it (`make_policy` notes it), else its short
-    alias when it has one."""
-    spelled = getattr(policy, "spelled_args", {})
-    return spelled.get(name) or next((alias for alias, field_name in policy.arg_aliases.items()
-                                      if field_name == name), name)
 
 
 def in_position_space(fn, values: torch.Tensor, positions: torch.Tensor, span: int | None = None) -> torch.Tensor:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import PROMPT, Policy, ScoreInput, _arg_name, arg
+from evalkit.policies.arguments import PROMPT, arg, arg_name
+from evalkit.policies.base import Policy, ScoreInput
 from evalkit.policies.names import POLICIES
 from evalkit.policies.duo_calibration import CALIBRATION_TEXTS, CALIBRATION_TOKENS, calibrated_head_scores
 from evalkit.policies.selection import Granularity
@@ -66,7 +67,7 @@ class DuoAttention(Policy):
     def check_fits(self, length: int, positions: int | None = None) -> None:
         window = self.sink_tokens + self.recent_tokens
         if length <= window:
-            args = f"policy-arg {_arg_name(self, 'sink_tokens')} / {_arg_name(self, 'recent_tokens')}"
+            args = f"policy-arg {arg_name(self, 'sink_tokens')} / {arg_name(self, 'recent_tokens')}"
             way = f"raise --length above {window} or lower {args}" if positions is None or window < positions \
                 else f"lower {args}: the model has {positions} positions"
             raise EvalkitError(f"{self.name}: its streaming heads keep {self.sink_tokens} sinks + {self.recent_tokens} "

@@ -2,7 +2,8 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg
+from evalkit.policies.arguments import PROMPT, arg
+from evalkit.policies.base import Policy, ScoreInput
 from evalkit.policies.names import register_presets
 from evalkit.policies.selection import Granularity
 

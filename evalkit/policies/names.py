@@ -9,7 +9,8 @@ import dataclasses
 import math
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import Policy, policy_args
+from evalkit.policies.arguments import policy_args
+from evalkit.policies.base import Policy
 from evalkit.policies.selection import GRANULARITIES, Granularity
 from evalkit.registry import Registry
 

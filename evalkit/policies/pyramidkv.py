@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evalkit.policies.base import arg
+from evalkit.policies.arguments import arg
 from evalkit.policies.names import register_presets
 from evalkit.policies.snapkv import SnapKV
 

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from evalkit.errors import EvalkitError
-from evalkit.policies.base import PROMPT, Policy, ScoreInput, arg, in_position_space
+from evalkit.policies.arguments import PROMPT, arg
+from evalkit.policies.base import Policy, ScoreInput, in_position_space
 from evalkit.policies.names import register_presets
 
 
