@@ -13,7 +13,7 @@ from typing import Any, Callable
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
 from evalkit.loop import (Conversation, GenerationSettings, Request, SharedPrefill, converse_branches, generate,
-                          generate_branches, prefill_statistics, score_rolling, share_prefill)
+                          generate_branches, prefill_statistics, score_rolling, score_rolling_branches, share_prefill)
 from evalkit.models import max_positions
 from evalkit.prompt import encode, encode_conversation, prompt_length
 from evalkit.results import Record
@@ -179,12 +179,16 @@ def perplexity_evaluation(task: Perplexity, config: RunConfig, model, tokenizer)
 
     def evaluate(batch: list[tuple[Sample, list[int]]], each: list[GenerationSettings],
                  shared: None) -> list[list[dict]]:
-        return [evaluate_one(batch, settings) for settings in each]
-
-    def evaluate_one(batch: list[tuple[Sample, list[int]]], settings: GenerationSettings) -> list[dict]:
+        """Runs on the same passages stream them together (`score_rolling_branches`); each run's seconds are
+        an even share of the batch's."""
+        texts, scored = [ids for _, ids in batch], [len(ids) - chunk for _, ids in batch]
         start = time.perf_counter()
-        scores = score_rolling(model, [ids for _, ids in batch], [len(ids) - chunk for _, ids in batch], settings)
-        seconds = (time.perf_counter() - start) / len(batch)  # batch-wide, divided evenly
+        scores = score_rolling_branches(model, texts, scored, each) if len(each) > 1 else \
+            [score_rolling(model, texts, scored, each[0])]
+        seconds = (time.perf_counter() - start) / len(batch) / len(each)
+        return [records_of(batch, run_scores, seconds) for run_scores in scores]
+
+    def records_of(batch: list[tuple[Sample, list[int]]], scores, seconds: float) -> list[dict]:
         records = []
         for (sample, _), scored in zip(batch, scores):
             summary = task.loss_summary(scored.logprobs, first_position=chunk)

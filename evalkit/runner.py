@@ -105,9 +105,10 @@ def run_many(runs: list[RunConfig | ResolvedRun], console: Console | None = None
 
 
 def prefill_key(config: RunConfig) -> tuple | None:
-    """What a run's prefill depends on, or None when it cannot be shared (chunked prefill streams
-    through the policy's cache; perplexity is scored in chunks)."""
-    if config.prefill != "full" or config.task == Perplexity.name:
+    """What a run's prefill depends on: runs with the same key share one (perplexity: stream the same passages
+    together, `score_rolling_branches`); None when it cannot be shared (a chunked prefill streams through the
+    policy's own cache)."""
+    if config.prefill != "full" and config.task != Perplexity.name:
         return None
     after_prefill = fields_where(after_prefill=True)
     return tuple(sorted((k, repr(v)) for k, v in config.to_dict().items() if k not in after_prefill))

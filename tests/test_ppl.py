@@ -9,6 +9,7 @@ import json
 import math
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from evalkit.assets import AUSTEN_NOVELS, austen_dir, cache_root, default_model_
 from evalkit.cli import main
 from evalkit.config import RunConfig
 from evalkit.errors import EvalkitError
-from evalkit.loop import GenerationSettings, score_rolling
+from evalkit.loop import GenerationSettings, score_rolling, score_rolling_branches
+from evalkit.loop import teacher_forcing
 from evalkit.loop.static_decode import StaticStep
 from evalkit.policies import make_policy
 from evalkit.runner import run
@@ -232,6 +234,57 @@ def test_token_by_token_at_budget_one_equals_one_forward_pass(tiny, monkeypatch,
     if name != "full":  # the comparison sees eviction
         assert max((torch.tensor(s.logprobs, dtype=torch.float64) - w).abs().max() for s, w in
                    zip(scored(0.3), expected)) > 1
+
+
+# One settings a branch: per-head and shared pages and tokens, a window statistic, positions only, the full cache.
+BRANCHES = [("h2o_head", 0.3), ("h2o_page", 0.3), ("snapkv_head_page", 0.4), ("tova_token", 0.5),
+            ("streaming_llm", 0.3), ("full", 1.0)]
+
+
+@pytest.mark.parametrize("chunk, joint", [(1, True), (4, False)], ids=["token by token: one forward a step",
+                                                                        "chunks of 4: one branch after another"])
+def test_branches_streamed_together_score_what_each_scores_alone(tiny, monkeypatch, chunk, joint):
+    """A sweep's perplexity cells on the same passages stream together: token by token, every branch's token
+    goes through one forward a step (`joint_decode.forward_branches`); each branch's log-probabilities, kept
+    tokens and bytes are its own `score_rolling`'s, bit for bit."""
+    sequences = torch.randint(0, 128, (2, 60), generator=torch.Generator().manual_seed(1)).tolist()
+    branches = [GenerationSettings(make_policy(name), budget=budget, page_size=4, chunk_size=chunk)
+                for name, budget in BRANCHES]
+    forwards = []
+    joint_forward = teacher_forcing.forward_branches
+    monkeypatch.setattr(teacher_forcing, "forward_branches",
+                        lambda states, tokens: (forwards.append(len(states)), joint_forward(states, tokens))[1])
+    together = score_rolling_branches(tiny, sequences, [50, 50], branches)
+
+    assert forwards == ([len(BRANCHES)] * 59 if joint else [])
+    for settings, scores in zip(branches, together):
+        alone = score_rolling(tiny, sequences, [50, 50], settings)
+        assert [vars(s) for s in scores] == [vars(s) for s in alone], settings.policy.name
+
+
+@pytest.mark.model  # tiny_folder: the default model's tokenizer
+def test_a_sweeps_perplexity_cells_stream_together_and_write_what_their_own_runs_write(tiny_folder, tmp_path,
+                                                                                       monkeypatch):
+    from evalkit.runner import run_many
+
+    def cells(out):
+        return [RunConfig(policy=policy, budget=budget, task="ppl", task_args={"text": "essays"}, length=48, samples=3,
+                          batch_size=2, chunk_size=1, block_size=4, model=str(tiny_folder), dtype="float32", device="cpu",
+                          out=str(out), wandb="off") for policy, budget in BRANCHES]
+
+    forwards = []
+    joint_forward = teacher_forcing.forward_branches
+    monkeypatch.setattr(teacher_forcing, "forward_branches",
+                        lambda states, tokens: (forwards.append(len(states)), joint_forward(states, tokens))[1])
+    together = run_many(cells(tmp_path / "together"))
+    assert forwards == [len(BRANCHES)] * 47 * 2  # 3 passages in batches of 2: 47 tokens fed a passage
+    for config, result in zip(cells(tmp_path / "alone"), together):
+        alone = run(config)
+        assert alone.run_id == result.run_id
+        assert [{k: v for k, v in r.items() if k != "prefill_seconds"} for r in
+                map(json.loads, (Path(alone.path) / "predictions.jsonl").read_text().splitlines())] == \
+               [{k: v for k, v in r.items() if k != "prefill_seconds"} for r in
+                map(json.loads, (Path(result.path) / "predictions.jsonl").read_text().splitlines())]
 
 
 @pytest.mark.model  # tiny_folder: the default model's tokenizer

@@ -281,6 +281,9 @@ def test_sweep_dry_run_says_which_cells_share_a_prefill(tiny_model_dir, tmp_path
     chunked = CliRunner().invoke(app, args + ["--prefill", "chunked"], env={"COLUMNS": "250"})
     assert chunked.exit_code == 0, chunked.output
     assert chunked.output.count("own (chunked prefill)") == 3 and "shared by" not in chunked.output
+    ppl = CliRunner().invoke(app, args[:6] + ["ppl", "--chunk-size", "1"] + args[7:], env={"COLUMNS": "250"})
+    assert ppl.exit_code == 0, ppl.output
+    assert ppl.output.count("streamed with 3 cells") == 3  # perplexity: the same passages, streamed together
     assert not list(tmp_path.iterdir())
 
 

@@ -6,7 +6,7 @@ Modules, each importing only those above it in this list:
 - `shared_prefill`: one prefill forked into several branches (a branch: one settings' policy, budget, ...);
 - `generate`: prefill, then decode (`generate`, `start`, `Decoding`);
 - `joint_decode`: branches decoding together, one forward per step;
-- `teacher_forcing`: log-probabilities through the same cache (lm-eval, perplexity);
+- `teacher_forcing`: log-probabilities through the same cache (lm-eval, perplexity), branches streamed together;
 - `conversation`: several turns on one compressed context (multi-turn tasks), branches' answers decoded together.
 """
 
@@ -15,8 +15,8 @@ from evalkit.loop.generate import generate, start
 from evalkit.loop.joint_decode import generate_branches
 from evalkit.loop.shared_prefill import SharedPrefill, prefill_statistics, share_prefill, statistic_key
 from evalkit.loop.state import Generation, GenerationSettings, Request
-from evalkit.loop.teacher_forcing import Score, ScoreRequest, score_continuations, score_rolling
+from evalkit.loop.teacher_forcing import Score, ScoreRequest, score_continuations, score_rolling, score_rolling_branches
 
 __all__ = ["Conversation", "Generation", "GenerationSettings", "Request", "Score", "ScoreRequest", "SharedPrefill",
            "converse", "converse_branches", "generate", "generate_branches", "prefill_statistics", "score_continuations",
-           "score_rolling", "share_prefill", "start", "statistic_key"]
+           "score_rolling", "score_rolling_branches", "share_prefill", "start", "statistic_key"]

@@ -13,6 +13,7 @@ from evalkit.attention import evalkit_attention
 from evalkit.cache import KVCache
 from evalkit.loop.compression import budgets_for, compress
 from evalkit.loop.generate import prefill, restrict_reads
+from evalkit.loop.joint_decode import branch_groups, forward_branches, linears_apart, model_rows_apart
 from evalkit.loop.static_decode import StaticStep, static_step
 from evalkit.loop.state import (GenerationSettings, LoopState, Observer, forward, full_cache_bytes, new_state,
                                 split_prompts)
@@ -156,50 +157,105 @@ def score_rolling(model, sequences: list[list[int]], scored: list[int], settings
     default a CUDA graph on CUDA, and the eager step on a CPU, where the static one is no faster) and every
     sequence is as long, they run through it.
     """
-    settings = replace(settings, prefill="chunked", temperature=0.0)  # nothing is sampled
-    policy = settings.policy
-    inputs = [list(s[:-1]) for s in sequences]
-    policy.prepare(model)
-    budgets = budgets_for(model, settings, inputs)
-    lengths = budgets.lengths
-    state = new_state(model, settings, lengths, budgets.caps, torch.zeros(len(inputs), dtype=torch.long), observe)
-    first_scored = [len(t) - n for t, n in zip(inputs, scored)]
-    logprobs: list[list[float]] = [[] for _ in inputs]
-    greedy = [True] * len(inputs)
-    chunk = settings.chunk_size
-    longest = max(len(t) for t in inputs)
     with evalkit_attention(model):
-        state.collect = policy.collect_prefill if budgets.any_evicting else None
+        rolling = _Rolling(model, sequences, scored, settings, observe)
+        for start in rolling.starts:
+            rolling.feed(start)
+        return rolling.scores()
+
+
+@torch.inference_mode()
+def score_rolling_branches(model, sequences: list[list[int]], scored: list[int],
+                           branches: list[GenerationSettings]) -> list[list[Score]]:
+    """`score_rolling(model, sequences, scored, settings)` for every settings in `branches`, the same scores:
+    where every branch feeds one token a step through the eager step and the sequences are equally long, each
+    step feeds every branch's tokens through one forward (`joint_decode.forward_branches`: bit for bit each
+    branch's own forward, where its probes say so); otherwise the branches stream one after another. As many
+    branches at a time as their caches fit (`joint_decode.branch_groups`)."""
+    scores: list[list[Score]] = []
+    rows_apart = len(branches) > 1 and model_rows_apart(model, len(sequences))
+    with evalkit_attention(model):
+        for group in branch_groups(model, branches, lambda settings: _Rolling(model, sequences, scored, settings)):
+            together = (rows_apart and len(group) > 1 and len({len(s) for s in sequences}) == 1
+                        and all(r.chunk == 1 and r.static is None for r in group)
+                        and linears_apart(model, len(group), len(sequences)))
+            for start in group[0].starts if together else ():
+                logits, _ = forward_branches([r.state for r in group], [r.fed(start) for r in group])
+                for rolling, branch_logits in zip(group, logits):
+                    counts = torch.ones(len(sequences), dtype=torch.long)
+                    rolling.take(start, branch_logits[:, None].to(model.device), counts, compressing=True)
+            for rolling in group if not together else ():
+                for start in rolling.starts:
+                    rolling.feed(start)
+            scores += [rolling.scores() for rolling in group]
+    return scores
+
+
+class _Rolling:
+    """One settings' stream through `sequences` (`score_rolling`): its loop state, fed chunk by chunk, and the
+    log-probabilities of the scored tokens so far. Made inside `evalkit_attention`."""
+
+    def __init__(self, model, sequences: list[list[int]], scored: list[int], settings: GenerationSettings,
+                 observe: Observer | None = None):
+        self.settings = replace(settings, prefill="chunked", temperature=0.0)  # nothing is sampled
+        self.policy, self.sequences, self.chunk = self.settings.policy, sequences, self.settings.chunk_size
+        self.inputs = [list(s[:-1]) for s in sequences]
+        self.policy.prepare(model)
+        self.budgets = budgets_for(model, self.settings, self.inputs)
+        lengths = self.budgets.lengths
+        self.state = new_state(model, self.settings, lengths, self.budgets.caps,
+                               torch.zeros(len(self.inputs), dtype=torch.long), observe)
+        self.first_scored = [len(t) - n for t, n in zip(self.inputs, scored)]
+        self.logprobs: list[list[float]] = [[] for _ in self.inputs]
+        self.greedy = [True] * len(self.inputs)
+        longest = max(len(t) for t in self.inputs)
+        self.starts = range(0, longest, self.chunk)
+        self.state.collect = self.policy.collect_prefill if self.budgets.any_evicting else None
         # The static step feeds every sequence a token a step: a ragged batch takes the eager path.
-        static = static_step(state, budgets.caps, budgets.any_evicting, longest) \
-            if chunk == 1 and all(len(t) == longest for t in inputs) else None
-        for start in range(0, longest, chunk):
-            if static is not None:  # logits [B, 1, V]; the step evicts
-                logits, counts = static([t[start:start + 1] for t in inputs])[:, None], torch.ones_like(lengths)
-            else:
-                logits, counts = forward(state, [t[start:start + chunk] for t in inputs], all_logits=True)
-                compress(state, budgets.caps)
-            width = logits.shape[1]
-            for b, sequence in enumerate(sequences):
-                n = int(counts[b])
-                skip = max(0, first_scored[b] - start)  # fed positions before the scored part
-                if n <= skip:
-                    continue
-                rows = torch.log_softmax(logits[b, width - n + skip:], -1)
-                targets = torch.tensor(sequence[start + skip + 1:start + n + 1], device=rows.device)
-                logprobs[b] += rows.gather(1, targets[:, None])[:, 0].tolist()
-                greedy[b] = greedy[b] and bool((rows.argmax(-1) == targets).all())
-        if static is not None:
-            state.cache = _thawed(state, static, lengths, budgets.caps)
+        self.static = static_step(self.state, self.budgets.caps, self.budgets.any_evicting, longest) \
+            if self.chunk == 1 and all(len(t) == longest for t in self.inputs) else None
+
+    def fed(self, start: int) -> list[list[int]]:
+        return [t[start:start + self.chunk] for t in self.inputs]
+
+    def feed(self, start: int) -> None:
+        """The chunk at `start` through this stream's own forward (the static step where it has one)."""
+        if self.static is not None:  # logits [B, 1, V]; the step evicts
+            logits = self.static(self.fed(start))[:, None]
+            self.take(start, logits, torch.ones_like(self.budgets.lengths), compressing=False)
+        else:
+            logits, counts = forward(self.state, self.fed(start), all_logits=True)
+            self.take(start, logits, counts, compressing=True)
+
+    def take(self, start: int, logits: torch.Tensor, counts: torch.Tensor, compressing: bool) -> None:
+        """After the forward of the chunk at `start` (logits [B, T, V]: row b's new tokens its last counts[b]
+        columns): compress (unless the static step did), then the scored tokens' log-probabilities."""
+        if compressing:
+            compress(self.state, self.budgets.caps)
+        width = logits.shape[1]
+        for b, sequence in enumerate(self.sequences):
+            n = int(counts[b])
+            skip = max(0, self.first_scored[b] - start)  # fed positions before the scored part
+            if n <= skip:
+                continue
+            rows = torch.log_softmax(logits[b, width - n + skip:], -1)
+            targets = torch.tensor(sequence[start + skip + 1:start + n + 1], device=rows.device)
+            self.logprobs[b] += rows.gather(1, targets[:, None])[:, 0].tolist()
+            self.greedy[b] = self.greedy[b] and bool((rows.argmax(-1) == targets).all())
+
+    def scores(self) -> list[Score]:
+        state, lengths = self.state, self.budgets.lengths
+        if self.static is not None:
+            state.cache = _thawed(state, self.static, lengths, self.budgets.caps)
         cache = state.cache
         cache.compact()
-        if observe:
-            observe("prefill", cache)
+        if state.observe:
+            state.observe("prefill", cache)
         kept = cache.kept_tokens().float().mean(dim=(0, 2))
         held, ideal = cache.bytes_held(), cache.bytes_ideal()
-    full = full_cache_bytes(state, lengths)
-    return [Score(logprobs[b], greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]), int(full[b]))
-            for b in range(len(inputs))]
+        full = full_cache_bytes(state, lengths)
+        return [Score(self.logprobs[b], self.greedy[b], int(lengths[b]), float(kept[b]), int(held[b]), int(ideal[b]),
+                      int(full[b])) for b in range(len(self.inputs))]
 
 
 def _thawed(state: LoopState, static: StaticStep, lengths: torch.Tensor, caps: torch.Tensor) -> KVCache:

@@ -273,8 +273,9 @@ def _refuse_unused(base: dict, tasks: list[str]) -> None:
 
 
 def prefill_groups(plan: SweepPlan) -> list[list[SweepCell]]:
-    """The cells that share one prefill per sample (same prompts, full prefill, local engine), in plan
-    order; a cell that cannot share (chunked prefill, perplexity, the Ray engine) is a group of its own."""
+    """The cells that share one prefill per sample (same prompts, full prefill, local engine; perplexity: the
+    same passages, streamed together), in plan order; a cell that cannot share (chunked prefill, the Ray
+    engine) is a group of its own."""
     groups: dict[tuple, list[SweepCell]] = {}
     for cell in plan.cells:
         key = prefill_key(cell.config) if plan.engine == "local" else None
@@ -290,8 +291,9 @@ def prefill_notes(plan: SweepPlan) -> dict[str, str]:
             if plan.engine != "local":
                 notes[cell.run_id] = "own (one Ray task per cell)"
             elif prefill_key(cell.config) is None:
-                notes[cell.run_id] = ("own (chunked prefill)" if cell.config.prefill == "chunked"
-                                      else "own (perplexity streams in chunks)")
+                notes[cell.run_id] = "own (chunked prefill)"
+            elif cell.config.task == Perplexity.name:
+                notes[cell.run_id] = f"streamed with {len(group)} cells" if len(group) > 1 else "own (nothing to share)"
             else:
                 notes[cell.run_id] = f"shared by {len(group)} cells" if len(group) > 1 else "own (nothing to share)"
     return notes
