@@ -3,6 +3,7 @@
     python scripts/granularity_tables.py runs/granularity runs/granularity-query-agnostic runs/study
     python scripts/granularity_tables.py runs/study --summary-only                  # the summary table alone
     python scripts/granularity_tables.py runs/study --summary-only --plots report/granularity   # + one PNG a family
+    python scripts/granularity_tables.py runs/granularity-query-agnostic runs/study --auc --task ruler:niah_single_2
 
 Runs are grouped by setting (block 16 only) as `evalkit report` reads a config: its setting fields (task,
 length, samples, model, seed, dtype, the data's offset and digest: what makes the prompts and references)
@@ -15,6 +16,9 @@ setting's reference is the full-cache run of its `RunConfig.full_cache`. A run s
 the samples it has finished; one that has finished none is left out. A setting whose full cache scores
 below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even without eviction, so what the
 policies score there says nothing about eviction.
+
+`--task` keeps the runs of the tasks named. `--auc` prints only `auc_table`: per model, length and query mode, a
+scorer a row, a granularity a column, the mean score over the budgets every granularity of the row ran.
 
 Printed in order (`--summary-only`: the first two):
 - the summary: per task family (TASK_FAMILIES), task, length, model, query mode, scorer and budget that
@@ -697,6 +701,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", help="run folders written by `evalkit sweep` (runs/<name>)")
     parser.add_argument("--summary-only", action="store_true", help="print the summary table only")
+    parser.add_argument("--task", action="append", metavar="TASK",
+                        help="only the runs of this task (repeat for several; default: every task)")
     parser.add_argument("--auc", action="store_true",
                         help="print the table of mean scores over budgets alone (scorer x granularity, per mode)")
     parser.add_argument("--failures", action="store_true",
@@ -705,7 +711,7 @@ def main() -> None:
                         help="also write one PNG per task family and setting (but task) into DIR")
     args = parser.parse_args()
     try:
-        runs = load(args.folders)
+        runs = [run for run in load(args.folders) if not args.task or run["config"]["task"] in args.task]
         groups = group(runs)
         if args.auc:
             print(auc_table(groups))

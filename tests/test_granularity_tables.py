@@ -455,3 +455,11 @@ def test_a_run_in_two_folders_is_tabled_once_from_the_copy_with_more_samples(scr
         write_run(tmp_path / folder, "ruler:niah_single_1", "full", 1.0, scores, samples=10)
     (run,) = script.load([str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c")])
     assert len(run["records"]) == 10 and run["folder"].parent.name == "b"
+
+
+def test_the_command_line_tables_only_the_tasks_named(script, tmp_path, monkeypatch, capsys):
+    for task in ("ruler:niah_single_1", "ruler:niah_single_2"):
+        write_setting(tmp_path, task, [1] * 10, same_everywhere([1] * 5 + [0] * 5), budgets=(0.1, 0.5))
+    monkeypatch.setattr(sys, "argv", ["granularity_tables.py", str(tmp_path), "--auc", "--task", "ruler:niah_single_2"])
+    script.main()
+    assert [row[-1] for row in auc_rows(capsys.readouterr().out).values()] == ["niah_single_2"]
