@@ -19,6 +19,9 @@ policies score there says nothing about eviction.
 
 `--task` keeps the runs of the tasks named. `--auc` prints only `auc_table`: per model, length and query mode, a
 scorer a row, a granularity a column, the mean score over the budgets every granularity of the row ran.
+`--variants` prints only `variant_table`: each run with policy arguments against its scorer without them, at
+every granularity (one change at a time: `kvzip_head:layerwise=true` against pooled per-head tokens, and
+against per-head pages at the same per-layer budgets).
 
 Printed in order (`--summary-only`: the first two):
 - the summary: per task family (TASK_FAMILIES), task, length, model, query mode, scorer and budget that
@@ -371,6 +374,35 @@ def auc_table(groups: list[SettingRuns]) -> str:
     return "\n".join(lines)
 
 
+def variant_table(groups: list[SettingRuns]) -> str:
+    """One change at a time: each run with policy arguments (a variant: `kvzip_head:layerwise=true` keeps each
+    layer to its own budget) against the same scorer without them in the same setting and budget, at its own
+    granularity (what the arguments alone are worth) and at each other granularity that ran (per-head tokens
+    with each layer's budget against per-head pages, which keep each layer's budget too), on the samples both
+    finished; Holm-adjusted over a variant's tests."""
+    plain = {(here.setting._replace(others=tuple(i for i in here.setting.others if i[0] != "policy_args")), here.differs):
+             here for here in groups if dict(here.setting.others).get("policy_args") == "{}"}
+    lines = ["| setting | variant | budget | variant's score | against | its score | variant − it (p Holm, n) |",
+             "|---|---|---|---:|---|---:|---|"]
+    for here in groups:
+        arguments = json.loads(dict(here.setting.others).get("policy_args", "{}"))
+        key = here.setting._replace(others=tuple(i for i in here.setting.others if i[0] != "policy_args"))
+        base = next((b for (setting, _), b in plain.items() if setting == key), None)
+        if not arguments or base is None:
+            continue
+        pairs = [(run, base.cell(run["scorer"], g, run["config"]["budget"]), g) for run in here.cells
+                 for g in GRANULARITY_ORDER]
+        pairs = [(run, other, g) for run, other, g in pairs if other is not None]
+        results = [_compare_shared(run, other) for run, other, _ in pairs]
+        for (run, other, g), result, p in zip(pairs, results, holm([r.p_value if r else 1.0 for r in results])):
+            label = f"`{run['scorer']}` {run['granularity']} " + " ".join(f"{k}={v}" for k, v in sorted(arguments.items()))
+            test = Paired(result.difference, p, result.n) if result else "–"
+            lines.append(f"| {here.setting.task}, {here.setting.length:,}, {here.setting.mode} | {label} | "
+                         f"{run['config']['budget']} | {100 * run['metrics']['score']:.0f} | `{run['scorer']}` {g} | "
+                         f"{100 * other['metrics']['score']:.0f} | {test} |")
+    return "\n".join(lines) + "\n"
+
+
 def _auc_row(scorer: str, arguments: dict, by_task: dict[str, dict[str, dict]]):
     """(sort key, cells) of one scorer's row, or None where no task has two budgets at every granularity.
     by_task: per task, "full" (the full cache's run) and per granularity its runs by budget."""
@@ -703,6 +735,8 @@ def main() -> None:
     parser.add_argument("--summary-only", action="store_true", help="print the summary table only")
     parser.add_argument("--task", action="append", metavar="TASK",
                         help="only the runs of this task (repeat for several; default: every task)")
+    parser.add_argument("--variants", action="store_true",
+                        help="print only each policy-argument variant against its scorer without them")
     parser.add_argument("--auc", action="store_true",
                         help="print the table of mean scores over budgets alone (scorer x granularity, per mode)")
     parser.add_argument("--failures", action="store_true",
@@ -713,8 +747,8 @@ def main() -> None:
     try:
         runs = [run for run in load(args.folders) if not args.task or run["config"]["task"] in args.task]
         groups = group(runs)
-        if args.auc:
-            print(auc_table(groups))
+        if args.auc or args.variants:
+            print(auc_table(groups) if args.auc else variant_table(groups))
             return
         print(summary(groups))
         print(full_cache_table(runs))

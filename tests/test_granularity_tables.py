@@ -463,3 +463,16 @@ def test_the_command_line_tables_only_the_tasks_named(script, tmp_path, monkeypa
     monkeypatch.setattr(sys, "argv", ["granularity_tables.py", str(tmp_path), "--auc", "--task", "ruler:niah_single_2"])
     script.main()
     assert [row[-1] for row in auc_rows(capsys.readouterr().out).values()] == ["niah_single_2"]
+
+
+def test_a_policy_argument_variant_is_set_against_its_scorer_at_each_granularity(script, tmp_path):
+    write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 10)
+    write_run(tmp_path, "ruler:niah_single_1", "kvzip_head", 0.1, [1] * 10)
+    write_run(tmp_path, "ruler:niah_single_1", "kvzip_head_page", 0.1, [0] * 10)
+    write_run(tmp_path, "ruler:niah_single_1", "kvzip_head", 0.1, [0] * 10, policy_args={"layerwise": "true"})
+    rows = summary_rows(script.variant_table(script.group(script.load([str(tmp_path)]))))
+
+    # 10 samples only one run passes: exact McNemar 2 x 0.5^10, Holm over the variant's two tests
+    assert [row[1:] for row in rows if row[0] != "setting"] == [
+        ["`kvzip` head layerwise=true", "0.1", "0", "`kvzip` head", "100", f"**-100 (p = {2 * 2 * 0.5 ** 10:.2g}, n = 10)**"],
+        ["`kvzip` head layerwise=true", "0.1", "0", "`kvzip` head_page", "0", "+0 (p = 1, n = 10)"]]
