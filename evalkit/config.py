@@ -143,12 +143,14 @@ class RunConfig:
             if "bounds" in f.metadata and getattr(self, f.name) is not None:
                 _check_bounds(f.name, getattr(self, f.name), *f.metadata["bounds"])
         check_device(self.device)
-        policy = self._checked_policy()
         if is_data_task(self.task):
+            policy = self._checked_policy()
             task = self._resolve_data()  # it reads the data, which the checks above need not wait for
         else:
             self._refuse_data_options()
-            task = self._checked_task()
+            task = make_task(self)  # its arguments refused before any of the model's files is read
+            policy = self._checked_policy()
+            self._check_task_fits(task)
         self._check_rope(policy)
         return ResolvedRun(self, policy, task)
 
@@ -160,10 +162,9 @@ class RunConfig:
         policy.check_budget(self.budget, self.block_size, self.length)
         return policy
 
-    def _checked_task(self) -> Task:
-        """The registered task, its samples refused before any is built where they are longer than the model's
+    def _check_task_fits(self, task: Task) -> None:
+        """The registered task's samples refused before any is built where they are longer than the model's
         positions (a haystack of a million tokens takes minutes and gigabytes to build)."""
-        task = make_task(self)
         task.check_length(self.length)
         longest = task.longest(self.length) if isinstance(task, SizedBySettings) else self.length
         lower = "the task's lengths" if "lengths" in self.task_args else "--length"
@@ -171,7 +172,6 @@ class RunConfig:
         if limit and longest > limit:
             raise EvalkitError(f"a sample of {longest} positions (prompt + answer) does not fit, "
                                f"{self.model} has {limit}: lower {lower}")
-        return task
 
     def _check_rope(self, policy: Policy) -> None:
         """A policy that applies the model's RoPE itself (Expected Attention's query moments and future positions,
