@@ -354,8 +354,8 @@ def auc_table(groups: list[SettingRuns]) -> str:
         if here.cannot_do_task or here.full is None:
             continue
         for run in here.cells:
-            others = tuple(item for item in here.setting.others if item[0] != "policy_args")
-            section = (not here.setting.query_aware, here.setting.model, here.setting.length, others)
+            section = (not here.setting.query_aware, here.setting.model, here.setting.length,
+                       _without_arguments(here.setting).others)
             row = (run["scorer"], json.dumps(run["config"]["policy_args"], sort_keys=True))
             cells = sections.setdefault(section, {}).setdefault(row, {}).setdefault(here.setting.task,
                                                                                       {"full": here.full})
@@ -380,14 +380,13 @@ def variant_table(groups: list[SettingRuns]) -> str:
     granularity (what the arguments alone are worth) and at each other granularity that ran (per-head tokens
     with each layer's budget against per-head pages, which keep each layer's budget too), on the samples both
     finished; Holm-adjusted over a variant's tests."""
-    plain = {(here.setting._replace(others=tuple(i for i in here.setting.others if i[0] != "policy_args")), here.differs):
-             here for here in groups if dict(here.setting.others).get("policy_args") == "{}"}
+    plain = {_without_arguments(here.setting): here for here in groups
+             if dict(here.setting.others).get("policy_args") == "{}"}
     lines = ["| setting | variant | budget | variant's score | against | its score | variant − it (p Holm, n) |",
              "|---|---|---|---:|---|---:|---|"]
     for here in groups:
         arguments = json.loads(dict(here.setting.others).get("policy_args", "{}"))
-        key = here.setting._replace(others=tuple(i for i in here.setting.others if i[0] != "policy_args"))
-        base = next((b for (setting, _), b in plain.items() if setting == key), None)
+        base = plain.get(_without_arguments(here.setting))
         if not arguments or base is None:
             continue
         pairs = [(run, base.cell(run["scorer"], g, run["config"]["budget"]), g) for run in here.cells
@@ -401,6 +400,10 @@ def variant_table(groups: list[SettingRuns]) -> str:
                          f"{run['config']['budget']} | {100 * run['metrics']['score']:.0f} | `{run['scorer']}` {g} | "
                          f"{100 * other['metrics']['score']:.0f} | {test} |")
     return "\n".join(lines) + "\n"
+
+
+def _without_arguments(setting: Setting) -> Setting:
+    return setting._replace(others=tuple(item for item in setting.others if item[0] != "policy_args"))
 
 
 def _auc_row(scorer: str, arguments: dict, by_task: dict[str, dict[str, dict]]):

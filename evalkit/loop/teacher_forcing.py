@@ -179,11 +179,11 @@ def score_rolling_branches(model, sequences: list[list[int]], scored: list[int],
             together = (rows_apart and len(group) > 1 and len({len(s) for s in sequences}) == 1
                         and all(r.chunk == 1 and r.static is None for r in group)
                         and linears_apart(model, len(group), len(sequences)))
+            one_each = torch.ones(len(sequences), dtype=torch.long)
             for start in group[0].starts if together else ():
                 logits, _ = forward_branches([r.state for r in group], [r.fed(start) for r in group])
                 for rolling, branch_logits in zip(group, logits):
-                    counts = torch.ones(len(sequences), dtype=torch.long)
-                    rolling.take(start, branch_logits[:, None].to(model.device), counts, compressing=True)
+                    rolling.take(start, branch_logits[:, None].to(model.device), one_each, compressing=True)
             for rolling in group if not together else ():
                 for start in rolling.starts:
                     rolling.feed(start)
