@@ -110,6 +110,7 @@ class Spec:
     first_stage_ratio: float = 0.5  # CriticalKV: share of the budget picked by the scorer alone
     recon_chunk: int = 2048  # KVzip: context tokens per reconstruction forward
     layerwise: bool = False  # KVzip: each layer its own budget (else one budget over layers and heads)
+    pool_pages: bool = False  # KVzip at head_page: one budget over the pages of every layer and head
     # DuoAttention: the model's head scores [layer][KV head] (its input, not re-derived: the calibration is held to
     # kvpress's computation in tests/test_duo_attention.py); `sinks` and `recent_tokens` are its sink_size and
     # recent_size
@@ -777,6 +778,8 @@ class Sequence:
         caps = [self.cap_in_force(l, cap) for l, cap in enumerate(caps)]
         if self.spec.scorer == "kvzip" and not self.spec.layerwise and self.spec.granularity == "head":
             return self.compress_pooled(caps)
+        if self.spec.scorer == "kvzip" and self.spec.pool_pages and self.spec.granularity == "head_page":
+            return self.compress_pooled_pages(caps)
         if self.spec.family == "duo_attention":
             return self.compress_duo(caps)
         used = {}
@@ -816,6 +819,42 @@ class Sequence:
         for (l, h), positions in held.items():
             for p in positions:
                 if (l, h, p) not in keep:
+                    self.evicted[l, h][p] = self.forwards - 1
+        return scores
+
+    def compress_pooled_pages(self, caps: list[int]) -> dict:
+        """KVzip at head_page with pool_pages: one budget, sum_l caps[l] x H_kv tokens, over the pages of every
+        layer and KV head, applied when they hold more in all. A page is scored, and is a sink or protected page,
+        as at head_page (`take_pages`); the order over all of them: sink pages (earlier page, then lower layer,
+        lower head), protected pages (later page first, then lower layer, lower head), the rest by score (highest
+        first; ties: lower layer, lower head, earlier page); greedy fill, a page taken when its tokens still fit."""
+        spec, seen, S = self.spec, self.seen, self.settings.page_size
+        held = {(l, h): self.held(l, h) for l in range(self.L) for h in range(self.H)}
+        budget = sum(caps) * self.H
+        if sum(len(x) for x in held.values()) <= budget:
+            return {}
+        scores = {l: [self.scores(l, h, caps[l]) for h in range(self.H)] for l in range(self.L)}
+        units = []  # (keep order key, (layer, head, page), positions)
+        for (l, h), positions in held.items():
+            recent = self.recent(caps[l])
+            for page in sorted({p // S for p in positions}):
+                on_page = [p for p in positions if p // S == page]
+                being_filled = (seen - 1) in on_page and seen % S != 0
+                if any(p < spec.sinks for p in on_page):
+                    key = (0, page, l, h)
+                elif being_filled or any(p >= seen - recent for p in on_page):
+                    key = (1, -page, l, h)
+                else:
+                    key = (2, -mean_score([scores[l][h][p] for p in on_page]), l, h, page)
+                units.append((key, (l, h, page), on_page))
+        taken, total = set(), 0
+        for _, unit, on_page in sorted(units):
+            if total + len(on_page) <= budget:
+                taken.add(unit)
+                total += len(on_page)
+        for (l, h), positions in held.items():
+            for p in positions:
+                if (l, h, p // S) not in taken:
                     self.evicted[l, h][p] = self.forwards - 1
         return scores
 

@@ -67,6 +67,18 @@ def test_every_policy_at_budget_one_is_the_full_cache(name):
         assert all(g.kept_tokens == g.prompt_tokens for g in got)
 
 
+@pytest.mark.parametrize("name, args", [("kvzip_head", {"layerwise": "true"}), ("kvzip_head_page", {"pool_pages": "true"})])
+def test_kvzip_pooling_variants_at_budget_one_are_the_full_cache(name, args):
+    """KVzip's per-layer per-head tokens and pooled per-head pages take their own selection paths (not the
+    registered names' the test above runs)."""
+    model = tiny_model("llama")
+    for settings in (dict(), dict(prefill="chunked", chunk_size=8), dict(layout="dense", query_aware=False)):
+        got = generate(model, None, [Request(p[:-3], p[-3:], NEW) for p in prompts()],
+                       GenerationSettings(make_policy(name, args=args), budget=1.0, page_size=4, **settings))
+        assert [g.token_ids for g in got] == hf_greedy_answers(), settings
+        assert all(g.kept_tokens == g.prompt_tokens for g in got)
+
+
 def test_token_budget_larger_than_the_prompt_evicts_nothing():
     model = tiny_model("llama")
     batch = prompts()

@@ -135,6 +135,7 @@ ORACLE_ARG = {"window": ("window", int), "observation_window": ("window", int), 
               "scorer_epsilon": ("scorer_epsilon", float),
               "first_stage_ratio": ("first_stage_ratio", float), "chunk_size": ("recon_chunk", int),
               "chunk": ("recon_chunk", int), "layerwise": ("layerwise", lambda text: text == "true"),
+              "pool_pages": ("pool_pages", lambda text: text == "true"),
               "sink_size": ("sinks", int), "recent_size": ("recent_tokens", int),
               "head_compression_ratio": ("head_compression_ratio", float)}
 # Hyper-parameters a family refuses to move off their default (its check() says why): no case can vary them.
@@ -479,6 +480,13 @@ HYPER_CASES = [
     ("kvzip_head", "head", {"chunk": "11", "layerwise": "true"}, 0.6, CHUNKED, {"chunk_size": 33}),
     ("kvzip_page", "page", {"chunk_size": "8", "recent_fraction": "0.2", "observation_window": "2"}, 0.3,
      PAGED_CHUNKED, {"page_size": 8, "chunk_size": 24}),
+    # KVzip's per-head pages with the budget pooled over layers and heads (pool_pages): decoding, a chunked
+    # prefill with protected tokens, pages of 2 and 8
+    ("kvzip_head_page", "head_page", {"pool_pages": "true"}, 0.3, DECODING, {"page_size": 2}),
+    ("kvzip_head_page", "head_page", {"pool_pages": "true", "chunk_size": "9", "sink_tokens": "2",
+                                      "recent_tokens": "2"}, 0.6, PAGED_CHUNKED, {"page_size": 8}),
+    ("kvzip_head_page", "head_page", {"pool_pages": "true", "recent_fraction": "0.2", "observation_window": "3"},
+     0.1, CHUNKED, {}),
     ("critical_snapkv_head", "head", {"window": "8", "first_stage_ratio": "0", "epsilon": "0"}, 0.3, DECODING, {}),
     ("critical_h2o_token", "token", {"first_stage_ratio": "1", "normalize": "true"}, 0.3, CHUNKED, {}),
     # Expected Attention's value norm under CriticalKV, with CriticalKV's epsilon 0 (the two share the name)
@@ -510,6 +518,7 @@ HYPER_CASES = [
     ("keydiff_head", "head", {}, 0.2, KVPRESS, {"long": True}),
     ("lagkv_head", "head", {}, 0.5, KVPRESS, {"long": True}),
     ("kvzip_head", "head", {}, 0.2, KVPRESS, {"long": True}),
+    ("kvzip_head_page", "head_page", {"pool_pages": "true"}, 0.2, KVPRESS, {"long": True}),
     ("critical_snapkv_head", "head", {"window": "64", "kernel": "5", "pooling": "avg"}, 0.8, KVPRESS,
      {"long": True}),
 ]
@@ -603,6 +612,10 @@ SLIDING_CASES = [
     # keeps depends on it, above the window (0.3) and with `sliding_layers="window"`.
     ("kvzip_head", "head", {"chunk_size": "24", "sink_tokens": "2"}, 0.3, GEMMA3),
     ("kvzip_head", "head", {"chunk_size": "12"}, 0.3, {**GEMMA3_CHUNKED, "sliding_layers": "window"}),
+    # and so does its budget pooled over every layer's pages (pool_pages)
+    ("kvzip_head_page", "head_page", {"pool_pages": "true", "chunk_size": "24"}, 0.3, GEMMA3),
+    ("kvzip_head_page", "head_page", {"pool_pages": "true", "chunk_size": "12"}, 0.1,
+     {**GEMMA3_CHUNKED, "sliding_layers": "window"}),
 ]
 
 

@@ -277,6 +277,10 @@ def test_policy_args_parse_known_keys_and_aliases():
     ("h2o", {"normalize": "maybe"}, "normalize"),
     ("h2o", {"sink_tokens": "-1"}, "sink_tokens"),
     ("h2o", {"granularity": "page"}, "granularity"),  # not a hyper-parameter
+    ("kvzip_head", {"pool_pages": "true"}, "head_page only"),  # pooled already
+    ("kvzip_token", {"pool_pages": "true"}, "head_page only"),
+    ("kvzip_page", {"pool_pages": "true"}, "head_page only"),
+    ("kvzip_head_page", {"pool_pages": "true", "layerwise": "true"}, "contradict"),
 ])
 def test_bad_policy_args_are_one_line_errors(name, args, mentions):
     with pytest.raises(EvalkitError) as error:
@@ -366,8 +370,8 @@ PUBLISHED_DEFAULTS = {
     # keep sink_size 128 + recent_size 256
     "duo_attention": dict(_NO_PROTECTION, sink_tokens=128, recent_tokens=256, head_compression_ratio=0.0),
     # KVzip (arXiv:2505.23416; kvpress 0.5.5's KVzipPress): n_sink 4, chunk_size 2048, the budget pooled over
-    # layers and heads (layerwise False)
-    "kvzip": dict(_NO_PROTECTION, sink_tokens=4, chunk_size=2048, layerwise=False),
+    # layers and heads (layerwise False); pool_pages is evalkit's (kvpress has no pages): off
+    "kvzip": dict(_NO_PROTECTION, sink_tokens=4, chunk_size=2048, layerwise=False, pool_pages=False),
 }
 _WRAPPED = ("h2o", "snapkv", "tova", "knorm", "keydiff", "lagkv", "expected_attention")
 # Ada-KV over any scorer (arXiv:2407.11550; kvpress 0.5.5's AdaKVPress(press), alpha_safeguard=0.20): the

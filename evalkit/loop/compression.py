@@ -144,7 +144,7 @@ def slots_to_keep(state: LoopState, layers, caps: torch.Tensor) -> list[tuple[to
             B = len(state.seen)
             keep = policy.select_layers(scores.view(len(over), B, *scores.shape[1:]),
                                         positions.view(len(over), B, *positions.shape[1:]), state.seen,
-                                        caps[layer_ids], recents[layer_ids]).flatten(0, 1)
+                                        caps[layer_ids], state.settings.page_size, recents[layer_ids]).flatten(0, 1)
         else:
             keep = policy.select(scores, positions, state.seen.repeat(len(over)), caps[layer_ids].reshape(-1),
                                  state.settings.page_size, recents[layer_ids].reshape(-1))  # [layers * B, H_kv, width]

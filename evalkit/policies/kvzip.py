@@ -5,7 +5,8 @@ import torch
 from evalkit.policies.arguments import PROMPT, arg
 from evalkit.policies.base import Policy, ScoreInput
 from evalkit.policies.names import register_presets
-from evalkit.policies.selection import ABSENT, RANKED, Granularity, keep_rank
+from evalkit.errors import EvalkitError
+from evalkit.policies.selection import ABSENT, RANKED, Granularity, keep_rank, select_pages_across_layers
 
 
 @dataclass
@@ -23,22 +24,36 @@ class KVzip(Policy):
 
     At head granularity (`layerwise=false`, kvpress's default) the budget is pooled over every layer and
     KV head of a sequence: the lowest scores anywhere are evicted, so layers and heads keep different
-    numbers of tokens. `layerwise=true`, and every other granularity, evict each layer to its own budget.
+    numbers of tokens. `layerwise=true`, and every other granularity, evict each layer to its own budget;
+    at head_page `pool_pages=true` pools it as at head: the pages of every layer and KV head in one keep order
+    (`select_pages_across_layers`).
     Decoded tokens have no reconstruction score: they are kept, the prompt's tokens evicted, lowest first.
     """
 
     sink_tokens: int = arg(4, 0, PROMPT)
     chunk_size: int = arg(2048, 1)
     layerwise: bool = False
+    # Off by default: `kvzip_head_page` keeps each layer's budget, as the study's runs were made with it.
+    pool_pages: bool = False
     description = "attention received while the model repeats the context (one extra forward); budget pooled over layers and heads"
     scorer = "context-reconstruction attention"
     paper = "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction (arXiv:2505.23416)"
     kvpress = "KVzipPress"
-    differs = ("at token, page and head_page granularity each layer keeps its own budget (layerwise); layerwise "
+    differs = ("at token, page and head_page granularity each layer keeps its own budget (layerwise; at head_page "
+               "policy-arg pool_pages=true pools it over layers and heads, page by page); layerwise "
                "caps each KV head (kvpress pools a layer's budget over its heads); with decode eviction, decoded "
                "tokens are kept and prompt tokens evicted (kvpress compresses the prefill only)")
     reconstructs = True
     arg_aliases = {"chunk": "chunk_size", "n_sink": "sink_tokens"}
+
+    def check(self) -> None:
+        super().check()
+        if self.pool_pages and self.granularity != Granularity.HEAD_PAGE:
+            raise EvalkitError(f"{self.name}: policy-arg pool_pages applies at head_page only (at head the budget is "
+                               "pooled already, unless layerwise=true; token and page keep each layer's budget)")
+        if self.pool_pages and self.layerwise:
+            raise EvalkitError(f"{self.name}: policy-args pool_pages and layerwise contradict each other: pool_pages "
+                               "pools the budget over layers, layerwise keeps each layer's")
 
     @property
     def needs_statistic(self) -> bool:
@@ -46,6 +61,8 @@ class KVzip(Policy):
 
     @property
     def selects_across_layers(self) -> bool:
+        if self.granularity == Granularity.HEAD_PAGE:
+            return self.pool_pages
         return not self.layerwise and self.granularity == Granularity.HEAD
 
     def head_capacity(self, caps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -55,8 +72,10 @@ class KVzip(Policy):
     def score(self, inp: ScoreInput) -> torch.Tensor:
         return inp.statistic
 
-    def select_layers(self, scores, positions, seen, caps, recent) -> torch.Tensor:
+    def select_layers(self, scores, positions, seen, caps, page_size, recent) -> torch.Tensor:
         """[L, B, H_kv, N] bool: the slots kept when the budget is pooled over layers and heads."""
+        if self.granularity == Granularity.HEAD_PAGE:
+            return select_pages_across_layers(scores, positions, seen, caps, page_size, self.sink_tokens, recent)
         return select_across_layers(scores, positions, seen, caps, self.sink_tokens, recent)
 
 

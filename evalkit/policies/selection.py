@@ -163,9 +163,17 @@ def keep_mask(
 def _keep_pages(pos_scores, present, sink, protected, seen, caps, page_size, per_head: bool,
                 rounds: int | None = None) -> torch.Tensor:
     """Whole pages of `page_size` consecutive positions: [B, 1, T] shared by all heads (`page`) or
-    [B, H, T] per head (`head_page`). Greedy fill in the keep order: take each page whose tokens
-    still fit in the budget, skip the others. `rounds`: run the fill exactly that many rounds, never asking
-    the host whether a page is left (each round rules out at least one page size, so S + 1 rounds suffice)."""
+    [B, H, T] per head (`head_page`), each head or sequence filled to its cap by `fill_pages`."""
+    units = page_units(pos_scores, present, sink, protected, seen, page_size, per_head)
+    keep = fill_pages(*units, caps, rounds).repeat_interleave(page_size, dim=-1)[..., :pos_scores.shape[-1]]
+    return keep if per_head else keep[:, None, :]
+
+
+def page_units(pos_scores, present, sink, protected, seen, page_size, per_head: bool):
+    """The pages of position space [B, H, T] as units of selection, (score, tokens, present, sink, protected,
+    index) [B, H, P] each per head (`head_page`), [B, P] shared by the heads (`page`): a page's score is the
+    mean over the (head, token) pairs it holds; its tokens what it costs; it is a sink (protected) page when it
+    holds a sink (protected) token, and the page being filled is protected too: the next token goes into it."""
     B, H, T = pos_scores.shape
     S = page_size
     P = -(-T // S)
@@ -190,16 +198,23 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, page_size, per
     page_present = tokens > 0
     page_sink = (held & sink_p).any(-1)
     page_protected = (held & protected_p).any(-1)
-    # The page being filled is never evicted: the next token of the sequence goes into it.
     filling = torch.where(seen % S != 0, (seen - 1) // S, -1)  # [B]
     page = torch.arange(P, device=pos_scores.device)
     page_protected |= (page == filling[:, None]).view(B, *(1,) * (page_score.dim() - 2), P) & page_present
+    return page_score, tokens, page_present, page_sink, page_protected, page.expand_as(page_score)
 
-    page_index = page.expand_as(page_score)
+
+def fill_pages(page_score, tokens, page_present, page_sink, page_protected, page_index, caps,
+               rounds: int | None = None) -> torch.Tensor:
+    """[..., P] bool, the pages taken: greedy fill in the keep order (`keep_order` of the units, ties to the
+    earlier along the last dim), each page whose tokens still fit in `caps` [B] (one cap per row of the
+    leading dim, shared by everything after it), the others skipped. `rounds`: run the fill exactly that many
+    rounds, never asking the host whether a page is left (each round rules out at least one page size, so
+    page_size + 1 rounds suffice)."""
     tier, secondary = keep_order(page_score, page_present, page_sink, page_protected, page_index)
     order = torch.argsort(keep_rank(tier, secondary), dim=-1)  # page ids in keep order
     count = tokens.gather(-1, order)
-    remaining = caps.view(B, *(1,) * (count.dim() - 1)).clone()
+    remaining = caps.view(-1, *(1,) * (count.dim() - 1)).clone()
     candidate = count > 0
     taken = torch.zeros_like(candidate)
     for _ in range(rounds) if rounds is not None else itertools.count():
@@ -212,6 +227,25 @@ def _keep_pages(pos_scores, present, sink, protected, seen, caps, page_size, per
         candidate &= ~fits & (count <= remaining)
         if rounds is None and not bool(candidate.any()):
             break
-    keep_page = torch.zeros_like(taken).scatter(-1, order, taken)
-    keep = keep_page.repeat_interleave(S, dim=-1)[..., :T]
-    return keep if per_head else keep[:, None, :]
+    return torch.zeros_like(taken).scatter(-1, order, taken)
+
+
+def select_pages_across_layers(scores, positions, seen, caps, page_size: int, sink_tokens: int = 0,
+                               recent=None) -> torch.Tensor:
+    """Per-head pages with one budget for every layer and KV head of a sequence: [L, B, H_kv, N] bool.
+
+    scores, positions: [L, B, H_kv, N]; caps, recent: [L, B]. The units are every (layer, KV head, page) of the
+    sequence, scored, protected and filled as `head_page`'s (`page_units`, `fill_pages`), in one keep order
+    up to sum_l caps[l] x H_kv tokens (ties: lower layer, lower head, earlier page).
+    """
+    L, B, H, N = scores.shape
+    recent = torch.zeros_like(caps) if recent is None else recent
+    layer_seen = seen.repeat(L)  # [L * B], layer-major as the rows below
+    pos_scores, present, sink, protected, col, live = position_space(
+        scores.reshape(L * B, H, N), positions.reshape(L * B, H, N), layer_seen, sink_tokens, recent.reshape(-1))
+    units = page_units(pos_scores, present, sink, protected, layer_seen, page_size, per_head=True)
+    P = units[0].shape[-1]
+    pooled = [unit.view(L, B, H, P).transpose(0, 1).reshape(B, L * H * P) for unit in units]  # [B, L * H * P]
+    taken = fill_pages(*pooled, caps.sum(0) * H).view(B, L, H, P).transpose(0, 1).reshape(L * B, H, P)
+    keep = present & taken.repeat_interleave(page_size, dim=-1)[..., :pos_scores.shape[-1]]
+    return to_slots(keep, col, live).view(L, B, H, N)
