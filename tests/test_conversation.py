@@ -3,12 +3,14 @@ transformers' greedy generation over the concatenated conversation, the first tu
 decode eviction holds the cache at its first answer's size, and a shared prefill changes nothing."""
 
 import json
+from unittest import mock
 
 import pytest
 import torch
 
 from conftest import needs_model_files, save_tiny_model, tiny_model
 from helpers import evalkit, read_run
+from evalkit.cache import KVCache
 from evalkit.loop import Conversation, GenerationSettings, Request, converse, generate, prefill_statistics, share_prefill
 from evalkit.loop.conversation import converse_branches
 from evalkit.policies import make_policy
@@ -93,6 +95,20 @@ def test_decode_eviction_holds_the_cache_at_its_first_answers_size(model, policy
     assert [g.kept_tokens - grown[0].kept_tokens for g in grown] == \
         [g.prompt_tokens - grown[0].prompt_tokens for g in grown]
     assert grown[-1].kept_tokens > held[-1].kept_tokens
+
+
+@pytest.mark.parametrize("policy, args, pooled", [("h2o_head", {}, False), ("kvzip_head", {}, True),
+                                                  ("kvzip_head_page", {"pool_pages": "true"}, True)])
+def test_a_budget_pooled_over_layers_sizes_the_cache_for_every_turn(model, policy, args, pooled):
+    """Decode eviction holds each head at its cap, so the cache needs room for the first answer and the longest
+    later turn only; where the budget is pooled over layers and heads a head may keep every token of every turn
+    (KVzip), so the cache has room for all of them: at 2,048 tokens the first sizing ran out of pages."""
+    talk = conversation()
+    with mock.patch.object(KVCache, "create", wraps=KVCache.create) as create:
+        converse(model, None, talk, GenerationSettings(make_policy(policy, args=args), budget=0.3, page_size=4))
+    capacity = create.call_args.args[3]  # the most tokens one head must hold at once
+    every_turn = len(talk.context_ids) + sum(len(t) + 1 for t in talk.turns) + len(talk.turns) * NEW
+    assert (capacity >= every_turn) == pooled, (capacity, every_turn)
 
 
 @pytest.mark.parametrize("query_aware", [True, False])
