@@ -17,6 +17,8 @@ Runs are grouped by setting: model, length, query mode and the task's arguments.
   budget on the samples both finished (`evalkit compare`'s paired test, Holm-adjusted over the tests printed).
 - `--plot FILE`: multi-turn, the score by turn, a panel per budget; long answers and perplexity, the score
   against the budget, a panel per scorer; a line per granularity, the full cache dashed.
+A run with policy args (`kvzip_head:layerwise=true`) is a scorer of its own (`kvzip layerwise=true`: a row of the
+summary, a dotted line in its scorer's panel), and the tables set it against its scorer at each granularity.
 Runs still being written are read as far as they go (a torn last line is left for later).
 """
 
@@ -74,11 +76,16 @@ def heading(setting: tuple) -> str:
 
 
 def family_of(config: dict) -> tuple[str, str]:
-    """(scorer, granularity) of what a run ran; the full cache's is ("full", "")."""
+    """(scorer, granularity) of what a run ran, the scorer followed by its policy args where the run set any
+    (`kvzip layerwise=true`: a row of its own); the full cache's is ("full", "")."""
     if config["policy"] == "full":
         return "full", ""
     scorer, granularity = policy_family(config["policy"], config.get("granularity"))
-    return scorer, granularity.value
+    return " ".join([scorer, *arguments_of(config)]), granularity.value
+
+
+def arguments_of(config: dict) -> list[str]:
+    return [f"{key}={value}" for key, value in sorted(config.get("policy_args", {}).items())]
 
 
 def shared(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -108,6 +115,24 @@ def paired(runs: list[dict]) -> list[tuple[str, str, float, object]]:
         a, b = shared(run["records"], base["records"])
         if len(a) >= 2:
             tests.append((scorer, granularity, budget, compare(a, b, detect=None)))
+    return tests
+
+
+def variant_tests(runs: list[dict]) -> list[tuple[str, str, str, float, object]]:
+    """(variant, its granularity, the scorer's granularity, budget, Comparison) for each run with policy args
+    against its scorer without them, at every granularity, same budget, on the samples both finished:
+    `kvzip_head_page:pool_pages=true` against `kvzip_head` is the unit at the same pooling, against
+    `kvzip_head_page` the pooling at the same unit."""
+    by_key = {(*family_of(r["config"]), r["config"]["budget"]): r for r in runs if r["config"]["policy"] != "full"}
+    tests = []
+    for run in sorted((r for r in runs if arguments_of(r["config"])), key=lambda r: str(family_of(r["config"]))):
+        variant, granularity = family_of(run["config"])
+        scorer, budget = variant.split(" ")[0], run["config"]["budget"]
+        for other in GRANULARITIES:
+            base = by_key.get((scorer, other, budget))
+            a, b = shared(run["records"], base["records"]) if base else ([], [])
+            if len(a) >= 2:
+                tests.append((variant, granularity, other, budget, compare(a, b, detect=None)))
     return tests
 
 
@@ -165,7 +190,9 @@ def tables(runs: list[dict]) -> str:
                         "" if ratio is None else f"{ratio:.2f}"]
             else:
                 more = []
-            lines.append(f"| {policy_name(run['config'])} | {run['config']['budget']} | {len(records)} | "
+            label = ":".join([policy_name(run["config"]), *([",".join(arguments_of(run["config"]))]
+                                                             if arguments_of(run["config"]) else [])])
+            lines.append(f"| {label} | {run['config']['budget']} | {len(records)} | "
                          f"{_points(kind, score_of(records))}{ci} | " + " | ".join(more) + " |")
         tests = paired(here)
         if tests:
@@ -175,6 +202,16 @@ def tables(runs: list[dict]) -> str:
             for (scorer, granularity, budget, test), p in zip(tests, holm([t.p_value for *_, t in tests])):
                 difference = f"{test.difference:+.2f}" if kind == "perplexity" else f"{100 * test.difference:+.1f}"
                 lines.append(f"| {scorer} | {granularity} | {budget} | {test.n} | {difference} | {p:.3g} |")
+        variants = variant_tests(here)
+        if variants:
+            lines += ["", f"Each policy-argument variant against its scorer at each granularity, same budget (Holm "
+                          f"over these {len(variants)} tests):", "",
+                      "| variant | against | budget | n | difference | p (Holm) |", "|---|---|---|---|---|---|"]
+            for (variant, granularity, other, budget, test), p in zip(variants,
+                                                                       holm([t.p_value for *_, t in variants])):
+                difference = f"{test.difference:+.2f}" if kind == "perplexity" else f"{100 * test.difference:+.1f}"
+                lines.append(f"| {variant} {granularity} | {variant.split(' ')[0]} {other} | {budget} | {test.n} | "
+                             f"{difference} | {p:.3g} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -194,8 +231,8 @@ def plot(runs: list[dict], path: Path) -> None:
         panels = sorted({budget for *_, budget in cells})
         every = sorted(s for s in {scorer for scorer, *_ in cells}
                        if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
-    else:
-        panels = sorted({scorer for scorer, *_ in cells})
+    else:  # a panel per scorer, its policy-argument variants in it (dotted)
+        panels = sorted({scorer.split(" ")[0] for scorer, *_ in cells})
     figure = Figure(figsize=(3.6 * len(panels), 3.4), dpi=110)
     for number, panel in enumerate(panels, 1):
         axes = figure.add_subplot(1, len(panels), number)
@@ -207,11 +244,13 @@ def plot(runs: list[dict], path: Path) -> None:
                     axes.plot(range(1, len(lines[0]) + 1), [sum(c) / len(c) for c in zip(*lines)], marker="o",
                               color=color, label=granularity)
             else:
-                points = sorted((b, score_of(run["records"])) for (s, g, b), run in cells.items()
-                                if s == panel and g == granularity)
-                if points:
-                    axes.plot(*zip(*[(b, _scale(kind, y)) for b, y in points]), marker="o", color=color,
-                              label=granularity)
+                for scorer in sorted({s for s, *_ in cells if s.split(" ")[0] == panel}):
+                    points = sorted((b, score_of(run["records"])) for (s, g, b), run in cells.items()
+                                    if s == scorer and g == granularity)
+                    if points:
+                        variant = scorer.removeprefix(panel)
+                        axes.plot(*zip(*[(b, _scale(kind, y)) for b, y in points]), marker="o", color=color,
+                                  linestyle=":" if variant else "-", label=granularity + variant)
         if full is not None:
             line = by_turn(full) if kind == "turns" else [_scale(kind, score_of(full["records"]))] * 2
             xs = range(1, len(line) + 1) if kind == "turns" else axes.get_xlim()

@@ -96,6 +96,24 @@ def test_perplexity_runs_show_perplexity_over_all_scored_tokens(script, tmp_path
     assert rows(summary) == [["h2o", "0.2", "", "", f"{math.exp(3.0):.2f}", ""]]
 
 
+def test_a_policy_argument_variant_is_a_row_of_its_own_set_against_its_scorer_at_each_granularity(script, tmp_path):
+    """`kvzip_head:layerwise=true` ran beside `kvzip_head`: it is not read as `kvzip_head` (the summary mixed the
+    two before), and the tables test it against `kvzip` at every granularity that ran."""
+    task = "ruler:multiturn_niah"
+    write_run(tmp_path, task, "kvzip_head", 0.2, [conversation(i, [1, 1]) for i in range(10)])
+    write_run(tmp_path, task, "kvzip_head_page", 0.2, [conversation(i, [1, 0]) for i in range(10)])
+    write_run(tmp_path, task, "kvzip_head", 0.2, [conversation(i, [0, 0]) for i in range(10)],
+              policy_args={"layerwise": "true"})
+    runs = script.load([str(tmp_path)], task)
+    assert rows(script.summary(runs)) == [["kvzip", "0.2", "100.0", "50.0", "", ""],
+                                          ["kvzip layerwise=true", "0.2", "0.0", "", "", ""]]
+    table = rows(script.tables(runs))
+    assert ["kvzip layerwise=true head", "kvzip head", "0.2", "10", "-100.0",
+            f"{min(1.0, 2 * stats.binomtest(10, 10).pvalue):.3g}"] in table
+    assert [row[:5] for row in table if row[:2] == ["kvzip layerwise=true head", "kvzip head_page"]] == \
+        [["kvzip layerwise=true head", "kvzip head_page", "0.2", "10", "-50.0"]]
+
+
 @pytest.mark.parametrize("task, records", [
     ("ruler:multiturn_niah", [conversation(i, [1, 0]) for i in range(3)]),
     ("long:recite_list", [answer(i, 0.5, 10) for i in range(3)]),
@@ -105,6 +123,7 @@ def test_a_plot_is_written_for_each_scenario(script, tmp_path, task, records):
     for policy in ("full", "h2o_head", "h2o_head_page"):
         for budget in ((1.0,) if policy == "full" else (0.2, 0.5)):
             write_run(tmp_path / "runs", task, policy, budget, records)
+    write_run(tmp_path / "runs", task, "h2o_head", 0.5, records, policy_args={"normalize": "true"})  # a variant
     path = tmp_path / "figure.png"
     script.plot(script.load([str(tmp_path / "runs")], task), path)
     assert path.read_bytes().startswith(b"\x89PNG")
