@@ -9,14 +9,16 @@ over", issue #48), from run folders: several questions on one context (`ruler:mu
 Runs are grouped by setting: model, length, query mode and the task's arguments. Per setting:
 - `--summary`: per scorer and budget, a column per granularity, the run's score as evalkit scores it (the mean
   over turns; lines in order; the perplexity over all scored tokens), the full cache's in the heading; for long
-  answers a second table, each run's answer tokens over the full cache's on the samples both finished (above 1:
-  eviction made answers longer, or loop).
+  answers two more tables: each run's answer tokens over the full cache's on the samples both finished (above 1:
+  eviction made answers longer, or loop), and the units its answers recite exactly before their first error.
 - otherwise a row per run: samples, score with its 95 % interval, then per scenario: each turn's score and the
   KV held as the last turn's answer began; the mean word-level edit similarity and the answer tokens over the
   full cache's; nothing more for perplexity. Then each granularity against per-head tokens of the same scorer and
   budget on the samples both finished (`evalkit compare`'s paired test, Holm-adjusted over the tests printed).
 - `--plot FILE`: multi-turn, the score by turn, a panel per budget; long answers and perplexity, the score
   against the budget, a panel per scorer; a line per granularity, the full cache dashed.
+- `--survival FILE` (long answers): the share of samples whose first i units are all exact, against i, a panel
+  per budget, a line per granularity: where along a long answer eviction breaks it.
 A run with policy args (`kvzip_head:layerwise=true`) is a scorer of its own (`kvzip layerwise=true`: a row of the
 summary, a dotted line in its scorer's panel), and the tables set it against its scorer at each granularity.
 Runs still being written are read as far as they go (a torn last line is left for later).
@@ -34,6 +36,7 @@ from matplotlib.figure import Figure
 
 from evalkit.policies.names import policy_family
 from evalkit.report.answer import policy_name
+from evalkit.tasks import TASKS
 from evalkit.uncertainty import compare, holm, score_interval, score_of
 
 GRANULARITIES = ("head", "head_page", "token", "page")
@@ -153,8 +156,29 @@ def summary(runs: list[dict]) -> str:
         if kind == "answers":
             lines += ["", "Answer tokens over the full cache's, on the samples both finished:", ""]
             lines += _grid(cells, lambda run: f"{length_over_full(run, full):.2f}" if full else "")
+            lines += ["", "Units (lines, sentences) recited exactly from the first, before the first error (mean"
+                      + (f"; full cache {_mean(recited(full)):.1f}" if full else "") + "):", ""]
+            lines += _grid(cells, lambda run: f"{_mean(recited(run)):.1f}")
         lines.append("")
     return "\n".join(lines)
+
+
+def recited(run: dict) -> list[int]:
+    """Per sample of a long-answer run, the units its answer recites exactly before the first error
+    (`ReciteTask.recited_prefix`): how far into the answer eviction lets it stay exact."""
+    task = TASKS.create(run["config"]["task"]).with_args(run["config"].get("task_args", {}))
+    return [task.recited_prefix(r["prediction"], r["references"]) for r in run["records"]]
+
+
+def survival(run: dict) -> list[float]:
+    """[i - 1]: the share (%) of the samples whose first i units are all exact, among those with i units or more."""
+    pairs = [(n, len(r["references"])) for n, r in zip(recited(run), run["records"])]
+    return [100 * sum(n >= i for n, units in pairs if units >= i) / sum(units >= i for _, units in pairs)
+            for i in range(1, max(units for _, units in pairs) + 1)]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _grid(cells: dict, shown) -> list[str]:
@@ -270,6 +294,38 @@ def plot(runs: list[dict], path: Path) -> None:
     figure.savefig(path)
 
 
+def plot_survival(runs: list[dict], path: Path) -> None:
+    """Long answers, the first setting: the share of samples still exact after i units, a panel per budget, a line
+    per granularity (the mean over the scorers run at every granularity), the full cache dashed."""
+    setting, here = by_setting(runs)[0]
+    full = next((r for r in here if r["config"]["policy"] == "full"), None)
+    cells = {(*family_of(r["config"]), r["config"]["budget"]): r for r in here if r is not full}
+    panels = sorted({budget for *_, budget in cells})
+    every = sorted(s for s in {scorer for scorer, *_ in cells}
+                   if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
+    figure = Figure(figsize=(3.6 * len(panels), 3.4), dpi=110)
+    for number, budget in enumerate(panels, 1):
+        axes = figure.add_subplot(1, len(panels), number)
+        for color, granularity in zip(matplotlib.colormaps["tab10"].colors, GRANULARITIES):
+            curves = [survival(run) for (s, g, b), run in cells.items() if b == budget and g == granularity
+                      and s in every]
+            if curves:
+                mean = [sum(c) / len(c) for c in zip(*curves)]
+                axes.plot(range(1, len(mean) + 1), mean, color=color, label=granularity)
+        if full is not None:
+            line = survival(full)
+            axes.plot(range(1, len(line) + 1), line, color="gray", linestyle="--", label="full cache")
+        axes.set_title(f"budget {budget}", fontsize=9)
+        axes.set_xlabel("units into the answer")
+        axes.set_ylim(-3, 103)
+        axes.grid(alpha=0.3)
+    figure.axes[0].set_ylabel("samples still exact (%)")
+    figure.axes[-1].legend(fontsize=8)
+    figure.suptitle(f"{heading(setting)}: a line per granularity, the mean over {', '.join(every)}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path)
+
+
 def by_turn(run: dict) -> list[float]:
     records = run["records"]
     return [100 * sum(r["turns"][t]["score"] for r in records) / len(records) for t in range(len(records[0]["turns"]))]
@@ -285,6 +341,8 @@ def main() -> None:
     parser.add_argument("--task", default="ruler:multiturn_niah")
     parser.add_argument("--plot", type=Path, help="write the figure of the first setting here")
     parser.add_argument("--summary", action="store_true", help="only the scores, scorer x granularity")
+    parser.add_argument("--survival", type=Path, help="long answers: write the figure of samples still exact "
+                                                      "after each unit here (the first setting)")
     args = parser.parse_args()
     runs = load(args.folders, args.task)
     if not runs:
@@ -292,6 +350,10 @@ def main() -> None:
     print(summary(runs) if args.summary else tables(runs))
     if args.plot:
         plot(runs, args.plot)
+    if args.survival:
+        if kind_of(runs) != "answers":
+            sys.exit(f"error: --survival is for long answers, not {args.task}")
+        plot_survival(runs, args.survival)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from evalkit.errors import EvalkitError
 from evalkit.tasks import TASKS, Sample
 from evalkit.tasks.haystack import essay_words, split_sentences
 from evalkit.tasks.long_answer import ReciteList, RecitePassage
-from evalkit.tasks.metrics import METRICS, edit_similarity, lines_in_order, sentences_in_order
+from evalkit.tasks.metrics import (METRICS, edit_similarity, lines_in_order, sentences_in_order,
+                                   units_before_first_error)
 
 NAMES = ("long:recite_list", "long:recite_passage")
 
@@ -74,6 +75,20 @@ def test_sentences_in_order_by_hand():
     assert sentences_in_order("Nobody came! It rained all day. Was it the weather?", references) == pytest.approx(2 / 3)
     assert sentences_in_order("It rained all day. It rained all day. It rained all day.", references) == pytest.approx(1 / 3)
     assert sentences_in_order("It rained all day long. Nobody came!", references) == pytest.approx(1 / 3)
+
+
+def test_units_before_first_error_by_hand():
+    assert units_before_first_error(REFERENCES, REFERENCES) == 4
+    assert units_before_first_error([" apple:  1234567 ", "", "river: 7654321", "stone: 1111112"], REFERENCES) == 2
+    assert units_before_first_error([REFERENCES[1], REFERENCES[0]], REFERENCES) == 0  # in place, not anywhere
+    assert units_before_first_error(REFERENCES + ["extra: 3"], REFERENCES) == 4
+    assert units_before_first_error([], REFERENCES) == 0
+    task = ReciteList()
+    looping = "\n".join([REFERENCES[0], REFERENCES[1], REFERENCES[1], REFERENCES[2], REFERENCES[3]])
+    assert (task.recited_prefix(looping, REFERENCES), task.score(looping, REFERENCES)) == (2, 1.0)
+    assert task.recited_prefix("\n".join(REFERENCES[:3]) + "\n</list>\n" + REFERENCES[3], REFERENCES) == 3
+    assert RecitePassage().recited_prefix("It rained all day. Nobody came? </passage>",
+                                          ["It rained all day.", "Nobody came!"]) == 1
 
 
 def lcs(a, b):

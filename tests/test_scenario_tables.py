@@ -36,8 +36,14 @@ def conversation(sample: int, scores: list[float], held: float = 0.5) -> dict:
     return {"id": f"s{sample}", "score": sum(scores) / len(scores), "turns": turns}
 
 
-def answer(sample: int, score: float, new_tokens: int, similarity: float = 0.5) -> dict:
-    return {"id": f"s{sample}", "score": score, "new_tokens": new_tokens, "details": {"edit_similarity": similarity}}
+LINES = [f"word{i}: {1000000 + i}" for i in range(4)]
+
+
+def answer(sample: int, score: float, new_tokens: int, similarity: float = 0.5, exact: int = 4) -> dict:
+    """A long-answer record whose answer recites the list's first `exact` lines, then goes wrong."""
+    prediction = "\n".join(LINES[:exact] + ["word9: 9"] * (exact < len(LINES))) + "\n</list>"
+    return {"id": f"s{sample}", "score": score, "new_tokens": new_tokens, "details": {"edit_similarity": similarity},
+            "prediction": prediction, "references": LINES}
 
 
 def passage(sample: int, nll: float, tokens: int = 10) -> dict:
@@ -75,15 +81,24 @@ def test_multi_turn_runs_are_scored_by_turn_and_their_granularities_tested_on_sh
 def test_long_answers_set_each_runs_answer_length_against_the_full_caches_on_shared_samples(script, tmp_path):
     task = "long:recite_list"
     write_run(tmp_path, task, "full", 1.0, [answer(i, 1.0, 100, similarity=0.9) for i in range(4)])
-    write_run(tmp_path, task, "snapkv_head", 0.2, [answer(i, 0.25, 150) for i in range(4)])
-    write_run(tmp_path, task, "snapkv_page", 0.2, [answer(i, 0.5, 50) for i in range(2)])  # 2 samples so far
+    write_run(tmp_path, task, "snapkv_head", 0.2, [answer(i, 0.25, 150, exact=i % 2) for i in range(4)])
+    write_run(tmp_path, task, "snapkv_page", 0.2, [answer(i, 0.5, 50, exact=2) for i in range(2)])  # 2 samples so far
     runs = script.load([str(tmp_path)], task)
 
     summary = script.summary(runs)
-    assert rows(summary) == [["snapkv", "0.2", "25.0", "", "", "50.0"], ["snapkv", "0.2", "1.50", "", "", "0.50"]]
+    assert "before the first error (mean; full cache 4.0)" in summary
+    assert rows(summary) == [["snapkv", "0.2", "25.0", "", "", "50.0"], ["snapkv", "0.2", "1.50", "", "", "0.50"],
+                             ["snapkv", "0.2", "0.5", "", "", "2.0"]]
     table = {row[0]: row for row in rows(script.tables(runs)) if len(row) == 6}
     assert table["full"][4:] == ["90.0", "1.00"]
     assert table["snapkv_head"][4:] == ["50.0", "1.50"]
+    # half the samples get the first line right, none the second
+    by_policy = {run["config"]["policy"]: run for run in runs}
+    assert script.survival(by_policy["snapkv_head"]) == [50.0, 0.0, 0.0, 0.0]
+    assert script.survival(by_policy["full"]) == [100.0] * 4
+    path = tmp_path / "survival.png"
+    script.plot_survival(runs, path)
+    assert path.read_bytes().startswith(b"\x89PNG")
 
 
 def test_perplexity_runs_show_perplexity_over_all_scored_tokens(script, tmp_path):

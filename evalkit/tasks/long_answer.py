@@ -28,7 +28,7 @@ from typing import ClassVar
 from evalkit.errors import EvalkitError
 from evalkit.tasks.base import TASKS, PromptLength, Sample, Task
 from evalkit.tasks.haystack import essay_words, fit_size, haystack_text, split_sentences
-from evalkit.tasks.metrics import METRICS, edit_similarity
+from evalkit.tasks.metrics import METRICS, UNITS, edit_similarity, units_before_first_error
 from evalkit.tasks.ruler_niah import wonderwords_list
 
 _INSTRUCTION = "Read the following text. {what} is hidden in it between <{tag}> and </{tag}>.\n\n"
@@ -87,6 +87,10 @@ class ReciteTask(Task):
 
     def score(self, prediction: str, references: list[str]) -> float:
         return METRICS[self.metric](self._answer(prediction), references)
+
+    def recited_prefix(self, prediction: str, references: list[str]) -> int:
+        """How many of the block's units the answer repeats one for one from the first, before its first error."""
+        return units_before_first_error(UNITS[self.metric](self._answer(prediction)), references)
 
     def score_details(self, prediction: str, references: list[str]) -> dict[str, float]:
         """The second number of a sample's record: the word-level edit similarity of the answer."""

@@ -276,17 +276,34 @@ def _units_in_order(units: list[str], references: list[str]) -> float:
     return previous[-1] / len(references)
 
 
+def units_before_first_error(units: list[str], references: list[str]) -> int:
+    """How many references `units` repeat one for one from the first, before the first that differs (blank units
+    skipped, whitespace runs compared as one space): how far into a long answer it stays exact."""
+    units = [" ".join(u.split()) for u in units if u.strip()]
+    exact = 0
+    for unit, reference in zip(units, references):
+        if unit != " ".join(reference.split()):
+            break
+        exact += 1
+    return exact
+
+
 def lines_in_order(prediction: str, references: list[str]) -> float:
     """Fraction of the reference lines the prediction's lines hold whole and in order (an LCS of lines).
 
     A line left out, or out of order, costs its share; a repeated or extra line costs nothing (`edit_similarity`
     charges those), so a looping answer scores the lines it has before the loop."""
-    return _units_in_order(prediction.splitlines(), references)
+    return _units_in_order(UNITS["lines_in_order"](prediction), references)
 
 
 def sentences_in_order(prediction: str, references: list[str]) -> float:
     """`lines_in_order` with sentences: the prediction is cut where a sentence ends (`haystack.split_sentences`)."""
-    return _units_in_order(split_sentences(prediction.strip()), references)
+    return _units_in_order(UNITS["sentences_in_order"](prediction), references)
+
+
+# How each in-order metric cuts a prediction into the units it compares with the references.
+UNITS = {"lines_in_order": lambda text: text.splitlines(),
+         "sentences_in_order": lambda text: split_sentences(text.strip())}
 
 
 def edit_similarity(prediction: str, references: list[str]) -> float:
