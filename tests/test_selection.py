@@ -270,6 +270,21 @@ def test_page_protected_pages_most_recent_first():
     assert keep(6) == [[[True, True, False, False, True, True, True, True]]]
 
 
+@pytest.mark.parametrize("granularity", PAGE_GRANULARITIES)
+def test_a_recent_window_over_three_pages_can_take_a_small_budget_whole(granularity):
+    """The cost of whole pages at a budget of a few pages (docs/granularity.md, token-by-token perplexity): H2O's
+    ppl cells at 10 % of 512 tokens keep 52 a head, half of them recent. 26 recent positions of 53 seen touch the
+    page being filled (5 tokens) and the two before it: 37 protected tokens leave 15, less than a page, so the
+    page of the first positions goes however high it scores; at token granularity it stays (one token leaves)."""
+    scores = torch.zeros(1, 2, 53)
+    scores[..., :16] = 100.0  # the first page: what attention sinks score
+    pos, seen = ordered_positions(1, 2, 53), t([53], torch.long)
+    keep = keep_mask(scores, pos, seen, t([52], torch.long), granularity, page_size=16, recent=t([26], torch.long))
+    assert kept_positions(keep, pos) == [[set(range(16, 53))] * 2]
+    tokens = keep_mask(scores, pos, seen, t([52], torch.long), "token", page_size=16, recent=t([26], torch.long))
+    assert kept_positions(tokens, pos) == [[set(range(53)) - {26}] * 2]  # the latest of the tied zeros leaves
+
+
 # --- granularity "head_page" -------------------------------------------------------------------
 
 def test_head_page_heads_keep_their_own_pages():
