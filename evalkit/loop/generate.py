@@ -174,11 +174,8 @@ def start(model, tokenizer, requests: list[Request], settings: GenerationSetting
     prompts = reconstruction_prompts(tokenizer) if policy.reconstructs and budgets.any_evicting else None
     decode_evicts = budgets.any_evicting and settings.decode_eviction
     room = extra + max_new  # [B] tokens the cache takes after the prefill
-    if later_turns:  # decode eviction holds each head at its cap; else, or where a head may keep more than its
-        # cap (a budget pooled over layers and heads), every turn may stay
-        held_at_cap = decode_evicts and bool((policy.head_capacity(budgets.caps, budgets.lengths)
-                                              <= budgets.caps.amax(0)).all())
-        room = room + (max(0, max(later_turns) + 1 - max_new) if held_at_cap
+    if later_turns:  # decode eviction holds the cache at its first answer's size; else every turn may stay
+        room = room + (max(0, max(later_turns) + 1 - max_new) if decode_evicts and policy.holds_caps_while_decoding
                        else sum(later_turns) + len(later_turns) * max_new)
     decode_collect = policy.collect_decode if decode_evicts else None
     forks_compressed = shared is not None and not any(appended) and observe is None

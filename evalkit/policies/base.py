@@ -72,6 +72,13 @@ class Policy:
         """True: `select_layers` chooses every layer's slots at once (KVzip's budget pooled over layers)."""
         return False
 
+    @property
+    def holds_caps_while_decoding(self) -> bool:
+        """True: with decode eviction every layer stays within its caps (one token over, as a step adds it), so a
+        conversation's later turns need no room of their own (`loop.generate.start`). Not where the budget is
+        pooled over layers, nor where heads keep everything (DuoAttention's retrieval heads)."""
+        return not self.selects_across_layers
+
     def recent_count(self, caps: torch.Tensor) -> torch.Tensor:
         """Most recent tokens protected at these caps (before clamping to it)."""
         spare = (caps - self.sink_tokens).clamp(min=0)

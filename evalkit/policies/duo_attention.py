@@ -108,6 +108,10 @@ class DuoAttention(Policy):
         window = torch.minimum(lengths, torch.tensor(self.sink_tokens + self.recent_tokens))
         return torch.where(self.streaming.any(-1).T, window, lengths)
 
+    @property
+    def holds_caps_while_decoding(self) -> bool:
+        return False  # a retrieval head keeps every token, decoded ones too
+
     def head_capacity(self, caps: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """A sequence with a retrieval head holds its whole prompt in that head."""
         retrieval = ~self.streaming.flatten(1).all(1)  # [B]
