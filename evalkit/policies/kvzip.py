@@ -2,10 +2,10 @@ from dataclasses import dataclass
 
 import torch
 
+from evalkit.errors import EvalkitError
 from evalkit.policies.arguments import PROMPT, arg
 from evalkit.policies.base import Policy, ScoreInput
 from evalkit.policies.names import register_presets
-from evalkit.errors import EvalkitError
 from evalkit.policies.selection import ABSENT, RANKED, Granularity, keep_rank, select_pages_across_layers
 
 
