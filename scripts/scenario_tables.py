@@ -228,14 +228,17 @@ def tables(runs: list[dict]) -> str:
                 lines.append(f"| {scorer} | {granularity} | {budget} | {test.n} | {difference} | {p:.3g} |")
         variants = variant_tests(here)
         if variants:
-            lines += ["", f"Each policy-argument variant against its scorer at each granularity, same budget (Holm "
-                          f"over these {len(variants)} tests):", "",
+            lines += ["", "Each policy-argument variant against its scorer at each granularity, same budget (Holm "
+                          "over each variant's tests):", "",
                       "| variant | against | budget | n | difference | p (Holm) |", "|---|---|---|---|---|---|"]
-            for (variant, granularity, other, budget, test), p in zip(variants,
-                                                                       holm([t.p_value for *_, t in variants])):
-                difference = f"{test.difference:+.2f}" if kind == "perplexity" else f"{100 * test.difference:+.1f}"
-                lines.append(f"| {variant} {granularity} | {variant.split(' ')[0]} {other} | {budget} | {test.n} | "
-                             f"{difference} | {p:.3g} |")
+            for name in dict.fromkeys(variant for variant, *_ in variants):
+                family = [row for row in variants if row[0] == name]
+                for (variant, granularity, other, budget, test), p in zip(family,
+                                                                           holm([t.p_value for *_, t in family])):
+                    difference = f"{test.difference:+.2f}" if kind == "perplexity" else \
+                        f"{100 * test.difference:+.1f}"
+                    lines.append(f"| {variant} {granularity} | {variant.split(' ')[0]} {other} | {budget} | "
+                                 f"{test.n} | {difference} | {p:.3g} |")
         lines.append("")
     return "\n".join(lines)
 
