@@ -268,6 +268,11 @@ def fields_where(**role) -> tuple[str, ...]:
     return tuple(f.name for f in fields(RunConfig) if all(f.metadata[k] == v for k, v in role.items()))
 
 
+def default_of(name: str):
+    """A RunConfig field's default value (a fresh one for a dict or list field)."""
+    return getattr(RunConfig(), name)
+
+
 def baseline_for(config: dict, stored: list[tuple[dict, dict]]) -> dict | None:
     """The metrics of the full-cache baseline of a run with `config` (`RunConfig.to_dict()`) among `stored`
     runs ((config, metrics) pairs, in run id order): a full run with the same `baseline` fields (and, for

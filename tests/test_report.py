@@ -419,6 +419,16 @@ def test_the_answer_averages_the_tasks_the_model_can_do_relative_to_their_full_c
                                 "head_page": [points["h2o_head_page", b]["relative"] for b in (0.2, 0.5)]}
     build_report(runs, tmp_path / "report")
     assert (tmp_path / "report" / "headline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A variant of one policy (its own policy args) beside them leaves the runs made by default plain: the headline
+    # stays, and the variant is a series of its own
+    _write_run(runs, "a-h2o_head-0.2-normalized", {"task": "ruler:a", "length": 1024, "samples": 20, "model": "m",
+                                                   "seed": 0, "query_aware": True, "policy": "h2o_head", "budget": 0.2,
+                                                   "policy_args": {"normalize": "true"}},
+               {**_metrics(0.0, 0.2), "samples": 20}, records["a", "h2o_head", 0.2])
+    data = answer_data(load_entries([runs])[0])
+    assert {p["series"] for p in data["points"] if p["plain"]} == {"h2o_head", "h2o_head_page", "snapkv_head"}
+    assert 'h2o_head (policy_args={"normalize": "true"})' in {p["series"] for p in data["points"]}
+    assert headline(data)[view[0]]["lines"] == view[1]["lines"]
 
 
 # ---- several results folders --------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import jinja2
 import plotly.offline
 from markupsafe import Markup
 
-from evalkit.config import baseline_for, fields_where
+from evalkit.config import baseline_for, default_of, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies import fraction_of
 from evalkit.report import plots as draw
@@ -181,10 +181,13 @@ def _place(entries: list[Entry]) -> None:
         return ", ".join(f"{k}={as_text(config.get(k))}" for k in keys)
 
     for e in entries:
-        extra = label(e.config, varying_setting)
+        shown = [k for k in varying_setting if e.config.get(k) not in (None, {}, [])]  # no "task_args={}"
+        extra = label(e.config, shown)
         e.setting = f"{e.config.get('task')} @ {e.config.get('length')}" + (f" ({extra})" if extra else "")
-        e.variant = {k: e.config.get(k) for k in varying_variant}
-        variant = label(e.config, varying_variant)
+        # A series names how it ran off the defaults only: a run made as evalkit runs by default stays plain
+        # however other runs of the folders ran (KVzip's layerwise=true beside every other policy's defaults).
+        e.variant = {k: e.config.get(k) for k in varying_variant if e.config.get(k, default_of(k)) != default_of(k)}
+        variant = label(e.config, list(e.variant))
         e.series = policy_name(e.config) + (f" ({variant})" if variant else "")
 
     by_setting: dict[str, list[Entry]] = {}
