@@ -429,6 +429,17 @@ def test_the_answer_averages_the_tasks_the_model_can_do_relative_to_their_full_c
     assert {p["series"] for p in data["points"] if p["plain"]} == {"h2o_head", "h2o_head_page", "snapkv_head"}
     assert 'h2o_head (policy_args={"normalize": "true"})' in {p["series"] for p in data["points"]}
     assert headline(data)[view[0]]["lines"] == view[1]["lines"]
+    # KVzip run at both granularities stays out of the headline: its per-head tokens pool the budget over layers,
+    # its per-head pages do not, so its two lines would differ in more than the unit
+    for policy in ("kvzip_head", "kvzip_head_page"):
+        for budget in (0.2, 0.5):
+            _write_run(runs, f"a-{policy}-{budget}", {"task": "ruler:a", "length": 1024, "samples": 20, "model": "m",
+                                                     "seed": 0, "query_aware": True, "policy": policy,
+                                                     "budget": budget},
+                       {**_metrics(0.5, budget), "samples": 20}, records["a", "h2o_head_page", 0.2])
+    data = answer_data(load_entries([runs])[0])
+    assert {p["scorer"] for p in data["points"] if p["plain"]} >= {"h2o", "kvzip"}
+    assert headline(data)[view[0]]["scorers"] == ["h2o"]
 
 
 # ---- several results folders --------------------------------------------------------------------------------

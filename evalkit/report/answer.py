@@ -25,6 +25,7 @@ import math
 from collections import defaultdict
 
 from evalkit.errors import EvalkitError
+from evalkit.policies import make_policy
 from evalkit.policies.names import policy_family, policy_label
 from evalkit.report.leaderboard import quality_auc
 
@@ -64,11 +65,12 @@ def headline(data: dict) -> dict[tuple, dict]:
     """Per view: the granularities most of its scorers were run at plainly (no other variant; all four where
     any scorer was, two on a model with one KV head), the scorers run at all of them, and per granularity its
     relative score at each budget they all ran, averaged over those scorers (each its mean over its tasks).
-    {view: {"scorers": [...], "budgets": [...], "lines": {granularity: [relative, ...]}}}; views with no two
-    granularities to compare are left out."""
+    A scorer whose per-head budget is pooled over layers (KVzip) is left out: its lines would change the pooling
+    with the unit. {view: {"scorers": [...], "budgets": [...], "lines": {granularity: [relative, ...]}}}; views
+    with no two granularities to compare are left out."""
     by_view: dict[tuple, dict] = defaultdict(dict)
     for p in data["points"]:
-        if p["plain"] and p["granularity"] in GRANULARITIES:
+        if p["plain"] and p["granularity"] in GRANULARITIES and not _pools_per_head(p["scorer"]):
             by_view[(p["model"], p["length"], p["mode"])][p["scorer"], p["granularity"], p["budget"]] = p["relative"]
     found = {}
     for view, relative in sorted(by_view.items(), key=lambda item: str(item[0])):
@@ -83,6 +85,13 @@ def headline(data: dict) -> dict[tuple, dict]:
                            "lines": {g: [sum(relative[s, g, b] for s in scorers) / len(scorers) for b in budgets]
                                      for g in lines}}
     return found
+
+
+def _pools_per_head(scorer: str) -> bool:
+    try:
+        return make_policy(scorer, "head").selects_across_layers
+    except EvalkitError:  # a scorer this evalkit does not know, or one that refuses head granularity
+        return False
 
 
 def line_label(e) -> str:
