@@ -91,6 +91,17 @@ def arguments_of(config: dict) -> list[str]:
     return [f"{key}={value}" for key, value in sorted(config.get("policy_args", {}).items())]
 
 
+def cells_of(runs: list[dict]) -> dict[tuple, dict]:
+    """{(scorer, granularity, budget): run}, the full cache's under ("full", "", 1.0)."""
+    return {(*family_of(r["config"]), r["config"]["budget"]): r for r in runs}
+
+
+def at_every_granularity(cells: dict[tuple, dict]) -> list[str]:
+    """The scorers run at all four granularities."""
+    return sorted(s for s in {scorer for scorer, *_ in cells}
+                  if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
+
+
 def shared(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:
     """The records of the samples both runs finished, in `a`'s order."""
     ids = {r["id"] for r in a} & {r["id"] for r in b}
@@ -109,7 +120,7 @@ def length_over_full(run: dict, full: dict | None) -> float | None:
 
 def paired(runs: list[dict]) -> list[tuple[str, str, float, object]]:
     """(scorer, granularity, budget, Comparison against per-head tokens) on the samples both finished."""
-    by_key = {(*family_of(r["config"]), r["config"]["budget"]): r for r in runs if r["config"]["policy"] != "full"}
+    by_key = cells_of(runs)
     tests = []
     for (scorer, granularity, budget), run in sorted(by_key.items(), key=lambda kv: str(kv[0])):
         base = by_key.get((scorer, "head", budget))
@@ -126,7 +137,7 @@ def variant_tests(runs: list[dict]) -> list[tuple[str, str, str, float, object]]
     against its scorer without them, at every granularity, same budget, on the samples both finished:
     `kvzip_head_page:pool_pages=true` against `kvzip_head` is the unit at the same pooling, against
     `kvzip_head_page` the pooling at the same unit."""
-    by_key = {(*family_of(r["config"]), r["config"]["budget"]): r for r in runs if r["config"]["policy"] != "full"}
+    by_key = cells_of(runs)
     tests = []
     for run in sorted((r for r in runs if arguments_of(r["config"])), key=lambda r: str(family_of(r["config"]))):
         variant, granularity = family_of(run["config"])
@@ -143,10 +154,14 @@ def _points(kind: str, value: float) -> str:
     return f"{value:.2f}" if kind == "perplexity" else f"{100 * value:.1f}"
 
 
+def _difference(kind: str, test) -> str:
+    return f"{test.difference:+.2f}" if kind == "perplexity" else f"{100 * test.difference:+.1f}"
+
+
 def summary(runs: list[dict]) -> str:
     kind, lines = kind_of(runs), []
     for setting, here in by_setting(runs):
-        cells = {(*family_of(r["config"]), r["config"]["budget"]): r for r in here}
+        cells = cells_of(here)
         full = cells.get(("full", "", 1.0))
         score = "perplexity" if kind == "perplexity" else "mean over turns, %" if kind == "turns" else "score, %"
         n = min(len(r["records"]) for r in here)
@@ -214,8 +229,8 @@ def tables(runs: list[dict]) -> str:
                         "" if ratio is None else f"{ratio:.2f}"]
             else:
                 more = []
-            label = ":".join([policy_name(run["config"]), *([",".join(arguments_of(run["config"]))]
-                                                             if arguments_of(run["config"]) else [])])
+            arguments = ",".join(arguments_of(run["config"]))
+            label = policy_name(run["config"]) + (f":{arguments}" if arguments else "")
             lines.append(f"| {label} | {run['config']['budget']} | {len(records)} | "
                          f"{_points(kind, score_of(records))}{ci} | " + " | ".join(more) + " |")
         tests = paired(here)
@@ -224,8 +239,8 @@ def tables(runs: list[dict]) -> str:
                           f"{len(tests)} tests):", "", "| scorer | granularity | budget | n | difference | p (Holm) |",
                       "|---|---|---|---|---|---|"]
             for (scorer, granularity, budget, test), p in zip(tests, holm([t.p_value for *_, t in tests])):
-                difference = f"{test.difference:+.2f}" if kind == "perplexity" else f"{100 * test.difference:+.1f}"
-                lines.append(f"| {scorer} | {granularity} | {budget} | {test.n} | {difference} | {p:.3g} |")
+                lines.append(f"| {scorer} | {granularity} | {budget} | {test.n} | {_difference(kind, test)} | "
+                             f"{p:.3g} |")
         variants = variant_tests(here)
         if variants:
             lines += ["", "Each policy-argument variant against its scorer at each granularity, same budget (Holm "
@@ -235,10 +250,8 @@ def tables(runs: list[dict]) -> str:
                 family = [row for row in variants if row[0] == name]
                 for (variant, granularity, other, budget, test), p in zip(family,
                                                                            holm([t.p_value for *_, t in family])):
-                    difference = f"{test.difference:+.2f}" if kind == "perplexity" else \
-                        f"{100 * test.difference:+.1f}"
                     lines.append(f"| {variant} {granularity} | {variant.split(' ')[0]} {other} | {budget} | "
-                                 f"{test.n} | {difference} | {p:.3g} |")
+                                 f"{test.n} | {_difference(kind, test)} | {p:.3g} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -252,12 +265,11 @@ def plot(runs: list[dict], path: Path) -> None:
     """One figure for the first setting (`--task` and the folders choose it)."""
     kind = kind_of(runs)
     setting, here = by_setting(runs)[0]
-    full = next((r for r in here if r["config"]["policy"] == "full"), None)
-    cells = {(*family_of(r["config"]), r["config"]["budget"]): r for r in here if r is not full}
+    cells = cells_of(here)
+    full = cells.pop(("full", "", 1.0), None)
     if kind == "turns":
         panels = sorted({budget for *_, budget in cells})
-        every = sorted(s for s in {scorer for scorer, *_ in cells}
-                       if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
+        every = at_every_granularity(cells)
     else:  # a panel per scorer, its policy-argument variants in it (dotted)
         panels = sorted({scorer.split(" ")[0] for scorer, *_ in cells})
     figure = Figure(figsize=(3.6 * len(panels), 3.4), dpi=110)
@@ -301,11 +313,10 @@ def plot_survival(runs: list[dict], path: Path) -> None:
     """Long answers, the first setting: the share of samples still exact after i units, a panel per budget, a line
     per granularity (the mean over the scorers run at every granularity), the full cache dashed."""
     setting, here = by_setting(runs)[0]
-    full = next((r for r in here if r["config"]["policy"] == "full"), None)
-    cells = {(*family_of(r["config"]), r["config"]["budget"]): r for r in here if r is not full}
+    cells = cells_of(here)
+    full = cells.pop(("full", "", 1.0), None)
     panels = sorted({budget for *_, budget in cells})
-    every = sorted(s for s in {scorer for scorer, *_ in cells}
-                   if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
+    every = at_every_granularity(cells)
     figure = Figure(figsize=(3.6 * len(panels), 3.4), dpi=110)
     for number, budget in enumerate(panels, 1):
         axes = figure.add_subplot(1, len(panels), number)

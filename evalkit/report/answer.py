@@ -20,6 +20,7 @@ have no relative score to average).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import defaultdict
@@ -87,6 +88,7 @@ def headline(data: dict) -> dict[tuple, dict]:
     return found
 
 
+@functools.cache  # asked once per point of the page
 def _pools_per_head(scorer: str) -> bool:
     try:
         return make_policy(scorer, "head").selects_across_layers

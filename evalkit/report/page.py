@@ -180,13 +180,14 @@ def _place(entries: list[Entry]) -> None:
     def label(config, keys):
         return ", ".join(f"{k}={as_text(config.get(k))}" for k in keys)
 
+    # A series names how it ran off the defaults only: a run made as evalkit runs by default stays plain
+    # however other runs of the folders ran (KVzip's layerwise=true beside every other policy's defaults).
+    defaults = {k: default_of(k) for k in varying_variant}
     for e in entries:
         shown = [k for k in varying_setting if e.config.get(k) not in (None, {}, [])]  # no "task_args={}"
         extra = label(e.config, shown)
         e.setting = f"{e.config.get('task')} @ {e.config.get('length')}" + (f" ({extra})" if extra else "")
-        # A series names how it ran off the defaults only: a run made as evalkit runs by default stays plain
-        # however other runs of the folders ran (KVzip's layerwise=true beside every other policy's defaults).
-        e.variant = {k: e.config.get(k) for k in varying_variant if e.config.get(k, default_of(k)) != default_of(k)}
+        e.variant = {k: e.config[k] for k, default in defaults.items() if e.config.get(k, default) != default}
         variant = label(e.config, list(e.variant))
         e.series = policy_name(e.config) + (f" ({variant})" if variant else "")
 
