@@ -53,7 +53,8 @@ STUDY := study-lengths_query_aware granularity-query_aware granularity-query_agn
          study-gemma3_4k_baseline study-gemma3_4k study-gemma3_4k_unsolved \
          study-gemma3_8k_baseline study-gemma3_8k study-frontier_2k_agnostic study-frontier_2k_aware \
          study-frontier_4k_agnostic study-frontier_gemma3_4k_agnostic \
-         study-multiturn_2k study-multiturn_gemma3_2k study-long_answer_2k study-ppl_token_512
+         study-multiturn_2k study-multiturn_gemma3_2k study-long_answer_2k study-ppl_token_512 \
+         study-long_answer_gemma3_2k_baseline study-ppl_token_gemma3_512
 
 study: $(STUDY)
 
