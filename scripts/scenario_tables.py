@@ -161,6 +161,9 @@ def _difference(kind: str, test) -> str:
 def summary(runs: list[dict]) -> str:
     kind, lines = kind_of(runs), []
     for setting, here in by_setting(runs):
+        if baseline_alone(here):
+            lines += [baseline_line(kind, setting, here), ""]
+            continue
         cells = cells_of(here)
         full = cells.get(("full", "", 1.0))
         score = "perplexity" if kind == "perplexity" else "mean over turns, %" if kind == "turns" else "score, %"
@@ -207,6 +210,9 @@ def _grid(cells: dict, shown) -> list[str]:
 def tables(runs: list[dict]) -> str:
     kind, lines = kind_of(runs), []
     for setting, here in by_setting(runs):
+        if baseline_alone(here):
+            lines += [baseline_line(kind, setting, here), ""]
+            continue
         full = next((r for r in here if r["config"]["policy"] == "full"), None)
         turns = len(here[0]["records"][0]["turns"]) if kind == "turns" else 0
         extra = {"turns": [f"turn {t + 1}" for t in range(turns)] + ["KV held / full, last turn"],
@@ -257,12 +263,25 @@ def tables(runs: list[dict]) -> str:
 
 
 def by_setting(runs: list[dict]) -> list[tuple[tuple, list[dict]]]:
+    """The runs by setting, those where a policy ran first: a figure draws the first, and a full cache run alone
+    (a model's baseline, to see whether it can do the task) is no grid."""
     settings = sorted({setting_of(r["config"]) for r in runs}, key=str)
-    return [(s, [r for r in runs if setting_of(r["config"]) == s]) for s in settings]
+    groups = [(s, [r for r in runs if setting_of(r["config"]) == s]) for s in settings]
+    return sorted(groups, key=lambda group: baseline_alone(group[1]))
+
+
+def baseline_alone(runs: list[dict]) -> bool:
+    return all(r["config"]["policy"] == "full" for r in runs)
+
+
+def baseline_line(kind: str, setting: tuple, runs: list[dict]) -> str:
+    (full,) = runs
+    return (f"### {heading(setting)}: the full cache alone, {_points(kind, score_of(full['records']))} "
+            f"(n = {len(full['records'])}); no policy ran")
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    """One figure for the first setting (`--task` and the folders choose it)."""
+    """One figure for the first setting where a policy ran (`--task` and the folders choose it)."""
     kind = kind_of(runs)
     setting, here = by_setting(runs)[0]
     cells = cells_of(here)
@@ -310,8 +329,9 @@ def plot(runs: list[dict], path: Path) -> None:
 
 
 def plot_survival(runs: list[dict], path: Path) -> None:
-    """Long answers, the first setting: the share of samples still exact after i units, a panel per budget, a line
-    per granularity (the mean over the scorers run at every granularity), the full cache dashed."""
+    """Long answers, the first setting where a policy ran: the share of samples still exact after i units, a panel
+    per budget, a line per granularity (the mean over the scorers run at every granularity), the full cache
+    dashed."""
     setting, here = by_setting(runs)[0]
     cells = cells_of(here)
     full = cells.pop(("full", "", 1.0), None)
@@ -362,6 +382,8 @@ def main() -> None:
     if not runs:
         sys.exit(f"error: no {args.task} runs under {', '.join(args.folders)}")
     print(summary(runs) if args.summary else tables(runs))
+    if (args.plot or args.survival) and baseline_alone(by_setting(runs)[0][1]):
+        sys.exit(f"error: only full-cache runs of {args.task}: no figure to draw")
     if args.plot:
         plot(runs, args.plot)
     if args.survival:

@@ -149,3 +149,21 @@ def test_a_plot_is_written_for_each_scenario(script, tmp_path, task, records):
     path = tmp_path / "figure.png"
     script.plot(script.load([str(tmp_path / "runs")], task), path)
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_model_whose_full_cache_ran_alone_is_one_line_and_never_the_figure(script, tmp_path):
+    task = "long:recite_list"
+    # Gemma's baseline alone (whether it can do the task), sorted before SmolLM2's grid by name
+    write_run(tmp_path, task, "full", 1.0, [answer(i, 0.25, 100) for i in range(4)], model="gemma3-270m")
+    write_run(tmp_path, task, "full", 1.0, [answer(i, 1.0, 100) for i in range(4)])
+    write_run(tmp_path, task, "snapkv_head", 0.2, [answer(i, 0.5, 100, exact=2) for i in range(4)])
+    runs = script.load([str(tmp_path)], task)
+
+    for text in (script.summary(runs), script.tables(runs)):
+        assert "### gemma3-270m, 2,048 tokens, question unseen: the full cache alone, 25.0 (n = 4); no policy ran" \
+            in text.splitlines()
+        assert text.index("### smollm2-135m") < text.index("### gemma3-270m")
+    setting, grid = script.by_setting(runs)[0]
+    assert setting[0] == "smollm2-135m" and {run["config"]["policy"] for run in grid} == {"full", "snapkv_head"}
+    script.plot_survival(runs, tmp_path / "survival.png")
+    assert (tmp_path / "survival.png").read_bytes().startswith(b"\x89PNG")
