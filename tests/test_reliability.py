@@ -705,6 +705,7 @@ def test_sweep_dry_run_changes_nothing_on_disk(monkeypatch, capsys, tmp_path):
             "--out", str(out), "--dry-run"]
     code, plan, _ = evalkit(monkeypatch, capsys, *grid)
     assert code == 0 and not out.exists()
+    assert "2 cells: 0 done, 0 partial, 2 to run; 4 of 4 cell-samples left" in plan  # the cell and its baseline
     folder = out / RunConfig(policy="h2o_head", budget=0.5, length=512, samples=2).validate().run_id()
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{}")
@@ -712,6 +713,7 @@ def test_sweep_dry_run_changes_nothing_on_disk(monkeypatch, capsys, tmp_path):
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()}
     code, plan, _ = evalkit(monkeypatch, capsys, *grid)
     assert code == 0 and "partial (1 samples)" in plan
+    assert "2 cells: 0 done, 1 partial, 1 to run; 3 of 4 cell-samples left" in plan
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()} == before
 
 

@@ -271,7 +271,7 @@ def test_killed_sweep_resumes_to_exactly_the_grid(swept, monkeypatch, capsys):
     assert len(folders) == 10  # 3 policies × 3 budgets + the full-cache baseline
     code, plan, _ = evalkit(monkeypatch, capsys, "sweep", *GRID, "--out", str(out), "--dry-run")
     assert code == 0 and set(RUN_ID.findall(plan)) == set(folders)
-    assert plan.count(" done ") == 10 and "to run" not in plan and "partial" not in plan
+    assert plan.count(" done ") == 10 and "10 cells: 10 done, 0 partial, 0 to run; 0 of 20 cell-samples left" in plan
     for name, folder in folders.items():
         metrics = json.loads((folder / "metrics.json").read_text())
         lines = (folder / "predictions.jsonl").read_text().splitlines()

@@ -11,13 +11,27 @@ from evalkit.sweep.plan import SweepCell, SweepPlan, prefill_notes, sweep_rows
 from evalkit.uncertainty import compare, samples_needed
 
 
-def _state(plan: SweepPlan, cell: SweepCell) -> str:
+def _samples_done(plan: SweepPlan, cell: SweepCell) -> int | None:
+    """The samples a cell has written: all of them when it is done, None when it has not begun."""
     run_dir = RunDir(plan.out, cell.run_id)
     if run_dir.complete:
-        return "done"
-    if run_dir.predictions_path.exists():
-        return f"partial ({len(run_dir.predictions())} samples)"
-    return "to run"
+        return cell.config.samples
+    return len(run_dir.predictions()) if run_dir.predictions_path.exists() else None
+
+
+def _state(cell: SweepCell, done: int | None) -> str:
+    if done is None:
+        return "to run"
+    return "done" if done >= cell.config.samples else f"partial ({done} samples)"
+
+
+def progress_line(plan: SweepPlan, done: dict[str, int | None]) -> str:
+    """How far the grid is: cells by state, and the cell-samples left of all it plans (a long grid's size)."""
+    states = [_state(cell, done[cell.run_id]).split(" ")[0] for cell in plan.cells]
+    total = sum(cell.config.samples for cell in plan.cells)
+    left = sum(cell.config.samples - min(done[cell.run_id] or 0, cell.config.samples) for cell in plan.cells)
+    return (f"{len(plan.cells)} cells: {states.count('done')} done, {states.count('partial')} partial, "
+            f"{states.count('to')} to run; {left:,} of {total:,} cell-samples left")
 
 
 def print_plan(plan: SweepPlan, console: Console, detect: float | None = None) -> None:
@@ -30,14 +44,16 @@ def print_plan(plan: SweepPlan, console: Console, detect: float | None = None) -
     if detect is not None:
         table.add_column(f"samples for {detect:g} points", justify="right")
     notes = prefill_notes(plan)
+    done = {cell.run_id: _samples_done(plan, cell) for cell in plan.cells}
     for cell in plan.cells:
         c = cell.config
         needed = [] if detect is None else [_samples_needed(plan, cell, detect / 100)]
         table.add_row(cell.run_id, c.task, str(c.length), cell.policy + (" (baseline)" if cell.baseline else ""),
-                      str(c.budget), notes[cell.run_id], _state(plan, cell), *needed)
+                      str(c.budget), notes[cell.run_id], _state(cell, done[cell.run_id]), *needed)
     wide = Console(file=console.file, width=10_000)
     wide.width = max(console.width, wide.measure(table).maximum)  # run ids are long: never cut a line
     wide.print(table)
+    console.print(progress_line(plan, done))
 
 
 def _samples_needed(plan: SweepPlan, cell: SweepCell, detect: float) -> str:
