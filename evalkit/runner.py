@@ -158,6 +158,25 @@ def _run_group(runs: list[ResolvedRun], mode: str, mirror: Mirror | None, consol
                 for c, d in zip(configs, run_dirs)]
 
 
+def _batches(runs: list[_RunInProgress], samples: list, inputs: list, batch_size: int):
+    """(the runs that still need them, up to `batch_size` samples with their inputs), in the samples' order: a
+    sample's prefill is shared by every run that still needs it, so runs that resumed at different points (a cell
+    added to a grid half done, say) share the samples they both lack."""
+    done = [ongoing.done for ongoing in runs]
+    needing: tuple[int, ...] = ()
+    batch: list = []
+    for sample, sample_inputs in zip(samples, inputs):
+        these = tuple(i for i in range(len(runs)) if sample.id not in done[i])
+        if batch and (these != needing or len(batch) == batch_size):
+            yield [runs[i] for i in needing], batch
+            batch = []
+        if these:
+            needing = these
+            batch.append((sample, sample_inputs))
+    if batch:
+        yield [runs[i] for i in needing], batch
+
+
 def _run_locked(pending: list[tuple[ResolvedRun, RunDir]], mode: str, mirror: Mirror | None,
                 console: Console) -> list[int]:
     """Runs every pending run to completion; returns how many samples each had recorded before."""
@@ -186,26 +205,18 @@ def _run_locked(pending: list[tuple[ResolvedRun, RunDir]], mode: str, mirror: Mi
     label = f"{first.policy} @ {first.budget}" if len(runs) == 1 else f"{len(runs)} runs, one prefill per sample"
     with progress:
         bar = progress.add_task(label, total=total, completed=sum(len(r.done) for r in runs))
-        # Runs that resumed at different points share only their common todo.
-        by_todo: dict[tuple, list[_RunInProgress]] = {}
-        for ongoing in runs:
-            by_todo.setdefault(tuple(s.id for s in evaluation.samples if s.id not in ongoing.done), []).append(ongoing)
-        for todo_ids, group in by_todo.items():
-            todo = [(s, inputs) for s, inputs in zip(evaluation.samples, evaluation.inputs) if s.id in set(todo_ids)]
-            batch_size = group[0].config.batch_size
-            for start in range(0, len(todo), batch_size):
-                batch = todo[start:start + batch_size]
-                settings = [ongoing.settings for ongoing in group]
-                shared = evaluation.share(batch, settings) if len(group) > 1 else None
-                for ongoing, records in zip(group, evaluation.evaluate(batch, settings, shared)):
-                    for record in records:
-                        if not ongoing.run_dir.config_path.exists():
-                            # Created with the first finished sample: input refused by the first batch
-                            # (an exhausted page pool, say) leaves no run folder behind.
-                            ongoing.run_dir.start(ongoing.provenance)
-                        ongoing.run_dir.append(record)
-                        ongoing.records.append(record)
-                    progress.advance(bar, len(batch))
+        for group, batch in _batches(runs, evaluation.samples, evaluation.inputs, first.batch_size):
+            settings = [ongoing.settings for ongoing in group]
+            shared = evaluation.share(batch, settings) if len(group) > 1 else None
+            for ongoing, records in zip(group, evaluation.evaluate(batch, settings, shared)):
+                for record in records:
+                    if not ongoing.run_dir.config_path.exists():
+                        # Created with the first finished sample: input refused by the first batch
+                        # (an exhausted page pool, say) leaves no run folder behind.
+                        ongoing.run_dir.start(ongoing.provenance)
+                    ongoing.run_dir.append(record)
+                    ongoing.records.append(record)
+                progress.advance(bar, len(batch))
 
     order = {sample.id: i for i, sample in enumerate(evaluation.samples)}
     for ongoing in runs:

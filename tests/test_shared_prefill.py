@@ -250,7 +250,8 @@ def test_kvzip_cells_of_a_sweep_share_one_reconstruction_and_write_what_their_ow
 
 
 @pytest.mark.model  # tiny_model_dir: the default model's tokenizer
-def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path):
+def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
+    import evalkit.evaluations as evaluations
     from evalkit.runner import run_many
 
     cells = configs(tiny_model_dir, tmp_path, True)[:3]
@@ -263,9 +264,16 @@ def test_run_many_resumes_each_cell_where_it_stopped(tiny_model_dir, tmp_path):
     (path / "metrics.json").unlink()
     import shutil
     shutil.rmtree(first[1].path)
+    shared_by = []
+    original = evaluations.share_prefill
+    monkeypatch.setattr(evaluations, "share_prefill",
+                        lambda model, requests, *args: shared_by.append(len(requests)) or original(model, requests,
+                                                                                                  *args))
     again = run_many(configs(tiny_model_dir, tmp_path, True)[:3])
     assert [r.resumed_from for r in again] == [1, 0, -1]
     assert [lines(r.path) for r in again] == reference
+    # The first sample is the new cell's alone; the two others, which both cells lack, share one prefill.
+    assert shared_by == [2]
 
 
 @pytest.mark.model  # tiny_model_dir: the default model's tokenizer
