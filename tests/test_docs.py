@@ -1,6 +1,7 @@
 """The docs' references stay true: every relative link in README.md and docs/*.md reaches a file (and its
 `#anchor` a heading of that page), and every test a doc names as `test_x.py::name` exists."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -18,7 +19,8 @@ def heading_slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def anchors(page: Path) -> set[str]:
+@functools.cache  # a page is linked to many times
+def anchors(page: Path) -> frozenset[str]:
     """The anchors GitHub makes for a page's headings (a repeated heading's second anchor gets `-1`), code blocks
     left out."""
     found: set[str] = set()
@@ -31,7 +33,7 @@ def anchors(page: Path) -> set[str]:
             slug = heading_slug(match.group(1))
             found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
             seen[slug] = seen.get(slug, 0) + 1
-    return found
+    return frozenset(found)
 
 
 def broken_links(page: Path) -> list[str]:

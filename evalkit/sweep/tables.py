@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.console import Console
 from rich.table import Table
 
@@ -19,19 +21,24 @@ def _samples_done(plan: SweepPlan, cell: SweepCell) -> int | None:
     return len(run_dir.predictions()) if run_dir.predictions_path.exists() else None
 
 
-def _state(cell: SweepCell, done: int | None) -> str:
+def _stage(cell: SweepCell, done: int | None) -> str:
     if done is None:
         return "to run"
-    return "done" if done >= cell.config.samples else f"partial ({done} samples)"
+    return "done" if done >= cell.config.samples else "partial"
+
+
+def _state(cell: SweepCell, done: int | None) -> str:
+    stage = _stage(cell, done)
+    return f"partial ({done} samples)" if stage == "partial" else stage
 
 
 def progress_line(plan: SweepPlan, done: dict[str, int | None]) -> str:
     """How far the grid is: cells by state, and the cell-samples left of all it plans (a long grid's size)."""
-    states = [_state(cell, done[cell.run_id]).split(" ")[0] for cell in plan.cells]
+    stages = Counter(_stage(cell, done[cell.run_id]) for cell in plan.cells)
     total = sum(cell.config.samples for cell in plan.cells)
     left = sum(cell.config.samples - min(done[cell.run_id] or 0, cell.config.samples) for cell in plan.cells)
-    return (f"{len(plan.cells)} cells: {states.count('done')} done, {states.count('partial')} partial, "
-            f"{states.count('to')} to run; {left:,} of {total:,} cell-samples left")
+    return (f"{len(plan.cells)} cells: {stages['done']} done, {stages['partial']} partial, "
+            f"{stages['to run']} to run; {left:,} of {total:,} cell-samples left")
 
 
 def print_plan(plan: SweepPlan, console: Console, detect: float | None = None) -> None:
