@@ -10,7 +10,8 @@ length, samples, model, seed, dtype, the data's offset and digest: what makes th
 and its variant fields but granularity (query mode, prefill, chunk size, decode eviction, policy arguments,
 sliding layers, layout, block size, page pool), so that runs paired on a sample id hold the same sample.
 Headings name the task, length, model and query mode, and any other field that differs between the
-settings shown. Within a setting a run is its policy's (scorer, granularity) (`policy_family`: aliases and
+settings shown of the same model, length and query mode. Runs of the scenarios where the cache turns over
+(`TURNS_OVER`: scripts/scenario_tables.py's) are left out. Within a setting a run is its policy's (scorer, granularity) (`policy_family`: aliases and
 `--granularity` runs count as the preset they run) at a budget; two runs there are an error. Each
 setting's reference is the full-cache run of its `RunConfig.full_cache`. A run still going is shown with
 the samples it has finished; one that has finished none is left out. A setting whose full cache scores
@@ -79,14 +80,20 @@ from matplotlib.figure import Figure
 from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies.names import policy_family, policy_label
+from evalkit.report.answer import CAN_DO
+from evalkit.tasks import TASKS
+from evalkit.tasks.long_answer import ReciteTask
+from evalkit.tasks.multiturn import MultiturnTask
+from evalkit.tasks.ppl import Perplexity
 from evalkit.results import RunDir
 from evalkit.uncertainty import Comparison, compare, holm, score_interval
 from evalkit.uncertainty.settings import ALPHA
 
 STUDY_BLOCK_SIZE = 16  # the study's block; other sizes are the block-size slice's (`block_table`)
 # A full cache scoring below this fails the task by itself: there eviction has little left to lose, and
-# differences between policies are noise around the model's failure, not eviction results.
-FULL_CACHE_FLOOR = 0.5
+# differences between policies are noise around the model's failure, not eviction results. The report's and
+# the study's threshold (a third: the tasks the grids were chosen for), so every table, plot and page agrees.
+FULL_CACHE_FLOOR = CAN_DO
 _SAME_SWEEP_SECONDS = 60  # a sweep makes a task's run folders together, before its first sample
 FULL_CACHE_WARNING = "⚠ the model cannot do this task with a full cache: differences here are not eviction results"
 
@@ -119,9 +126,14 @@ _HEADING_FIELDS = ("model", "length", "task", "query_aware")  # always named; th
 _DEFAULTS = RunConfig().to_dict()
 
 
+# The scenarios where the cache turns over (several questions on one context, long answers, token-by-token
+# perplexity) have their own tables and plots (scripts/scenario_tables.py): their runs are not single-question cells.
+TURNS_OVER = (MultiturnTask, ReciteTask, Perplexity)
+
+
 def load(folders: list[str]) -> list[dict]:
-    """Every run folder with at least one finished sample; one still running (no metrics.json yet) is
-    summarised from its finished samples. Its config holds every RunConfig field; a policy run is its
+    """Every run folder of a single-question task (not `TURNS_OVER`) with at least one finished sample; one still
+    running (no metrics.json yet) is summarised from its finished samples. Its config holds every RunConfig field; a policy run is its
     (scorer, granularity) as `policy_family` says. A run id in two folders (a later grid's cell that an earlier
     grid already ran: the same config, so the same answers) is one run, the copy with more finished samples; an
     EvalkitError where the copies answer a sample differently."""
@@ -134,6 +146,8 @@ def load(folders: list[str]) -> list[dict]:
                 continue
             provenance = json.loads((run / "config.json").read_text())
             stored = provenance["config"]
+            if _turns_over(stored["task"]):
+                continue
             config = {name: stored.get(name, default) for name, default in _DEFAULTS.items()}
             if (run / "metrics.json").exists():
                 metrics = json.loads((run / "metrics.json").read_text())
@@ -148,6 +162,12 @@ def load(folders: list[str]) -> list[dict]:
                               "prefill": {r["id"]: r["prefill_seconds"] for r in records},
                               "created": provenance.get("created")}
     return list(runs.values())
+
+
+@functools.cache
+def _turns_over(task: str) -> bool:
+    """Whether `task` names a registered task of `TURNS_OVER` (a data task, `jsonl:...`, never does)."""
+    return task in TASKS.names() and isinstance(TASKS.create(task), TURNS_OVER)
 
 
 def _more_of_the_same(earlier: dict | None, folder: Path, records: list[dict]) -> bool:
@@ -301,7 +321,11 @@ def group(runs: list[dict]) -> list[SettingRuns]:
     by_setting: dict[Setting, list[dict]] = {}
     for (setting, *_), run in cells.items():
         by_setting.setdefault(setting, []).append(run)
-    differs = differences(by_setting)
+    # Settings of another model, length or query mode already read apart: name what differs among the others only.
+    alike: dict[tuple, list[Setting]] = {}
+    for setting in by_setting:
+        alike.setdefault((setting.model, setting.length, setting.query_aware), []).append(setting)
+    differs = {setting: text for settings in alike.values() for setting, text in differences(settings).items()}
     order = sorted(by_setting, key=lambda s: (not s.query_aware, s.model, s.length, s.task, s.others))
     # Any cell names the full cache: a setting fixes every field `full_cache` keeps or resets.
     return [SettingRuns(setting, differs[setting], fulls.get(_full_cache_setting(by_setting[setting][0])),

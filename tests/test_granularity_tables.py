@@ -162,14 +162,14 @@ def test_aliases_and_granularity_runs_count_as_the_granularity_they_ran(script, 
 
 def test_the_full_cache_below_the_floor_is_marked_there_only(script, tmp_path):
     write_setting(tmp_path, "ruler:cwe", [0.1] * 10, same_everywhere([0.0] * 10))  # 10: the model cannot
-    write_setting(tmp_path, "ruler:vt", [1] * 5 + [0] * 5, same_everywhere([0] * 10))  # 50: at the floor, not below
+    write_setting(tmp_path, "ruler:vt", [1] * 4 + [0] * 6, same_everywhere([0] * 10))  # 40: above a third, not marked
     groups = script.group(script.load([str(tmp_path)]))
     text = "\n".join([script.summary(groups), script.tables(groups), script.paired_tables(groups)])
 
     marked = [line for line in text.splitlines() if script.FULL_CACHE_WARNING in line]
     assert len(marked) == 2 and all(line.startswith("**ruler:cwe, ") for line in marked)  # score and paired tables
     assert "full cache: 10 — ⚠" in marked[0]
-    assert {row[1]: row[7] for row in summary_rows(script.summary(groups))} == {"ruler:cwe": "10 ⚠", "ruler:vt": "50"}
+    assert {row[1]: row[7] for row in summary_rows(script.summary(groups))} == {"ruler:cwe": "10 ⚠", "ruler:vt": "40"}
 
 
 @pytest.mark.parametrize("head_page, head, verdict", [
@@ -291,7 +291,7 @@ def test_plots_are_written_for_each_family_present(script, tmp_path):
 def test_a_task_the_full_cache_cannot_do_is_left_out_of_its_familys_lines(script, tmp_path):
     write_setting(tmp_path, "ruler:niah_single_1", [1] * 10, same_everywhere([1] * 5 + [0] * 5), budgets=(0.1, 0.5))
     write_setting(tmp_path, "ruler:niah_single_2", [1] * 10, same_everywhere([1] * 10), budgets=(0.1,))
-    write_setting(tmp_path, "ruler:niah_single_3", [1] * 4 + [0] * 6, same_everywhere([0] * 10), budgets=(0.1, 0.5))
+    write_setting(tmp_path, "ruler:niah_single_3", [1] * 3 + [0] * 7, same_everywhere([0] * 10), budgets=(0.1, 0.5))
     (plot,) = script.family_plots(script.group(script.load([str(tmp_path)])))
 
     assert plot.tasks == ["ruler:niah_single_1", "ruler:niah_single_2"]
@@ -304,15 +304,15 @@ def test_a_task_the_full_cache_cannot_do_is_left_out_of_its_familys_lines(script
 
 def test_a_family_whose_every_task_is_below_the_floor_is_drawn_whole_and_marked(script, tmp_path):
     """Where the model can do none of a family's tasks the plot would be empty: it draws them all, marked."""
-    write_setting(tmp_path, "ruler:niah_multivalue", [0.4] * 10, same_everywhere([0.2] * 10), budgets=(0.2, 0.5))
-    write_setting(tmp_path, "ruler:niah_multiquery", [0.3] * 10, same_everywhere([0.1] * 10), budgets=(0.2, 0.5))
+    write_setting(tmp_path, "ruler:niah_multivalue", [0.3] * 10, same_everywhere([0.2] * 10), budgets=(0.2, 0.5))
+    write_setting(tmp_path, "ruler:niah_multiquery", [0.2] * 10, same_everywhere([0.1] * 10), budgets=(0.2, 0.5))
     (plot,) = script.family_plots(script.group(script.load([str(tmp_path)])))
 
     assert plot.below_floor and plot.left_out == []
     assert sorted(plot.tasks) == ["ruler:niah_multiquery", "ruler:niah_multivalue"]
     assert {b: score for b, (score, _) in plot.panels["snapkv"].lines["head_page"].items()} == \
         pytest.approx({0.2: 15.0, 0.5: 15.0})  # the mean over both tasks' samples
-    assert plot.panels["snapkv"].full_score == pytest.approx(35.0)
+    assert plot.panels["snapkv"].full_score == pytest.approx(25.0)
     (path,) = script.plot_families(script.group(script.load([str(tmp_path)])), tmp_path / "plots")
     assert path.stat().st_size > 0
 
@@ -320,20 +320,20 @@ def test_a_family_whose_every_task_is_below_the_floor_is_drawn_whole_and_marked(
 def test_a_scorers_panel_averages_only_the_tasks_that_ran_it(script, tmp_path):
     """One task of the family ran a second scorer: that scorer's panel averages it alone (its full cache too)
     and names it, rather than drawing nothing for want of the other task's cells."""
-    write_setting(tmp_path, "ruler:fwe", [0.4] * 10, same_everywhere([0.3] * 10), budgets=(0.2,))
+    write_setting(tmp_path, "ruler:fwe", [0.6] * 10, same_everywhere([0.3] * 10), budgets=(0.2,))
     for granularity in GRANULARITIES:
         write_run(tmp_path, "ruler:fwe", f"tova_{granularity}", 0.2, [0.1] * 10)
-    write_setting(tmp_path, "ruler:cwe", [0.2] * 10, same_everywhere([0.1] * 10), budgets=(0.2,))
+    write_setting(tmp_path, "ruler:cwe", [0.4] * 10, same_everywhere([0.1] * 10), budgets=(0.2,))
     (plot,) = script.family_plots(script.group(script.load([str(tmp_path)])))
 
     assert sorted(plot.panels) == ["snapkv", "tova"]
     assert sorted(plot.panels["snapkv"].tasks) == ["ruler:cwe", "ruler:fwe"]
     assert plot.panels["snapkv"].lines["head"][0.2][0] == pytest.approx(20.0)
-    assert plot.panels["snapkv"].full_score == pytest.approx(30.0)
+    assert plot.panels["snapkv"].full_score == pytest.approx(50.0)
     assert plot.panels["tova"].tasks == ["ruler:fwe"]
     assert {g: points[0.2][0] for g, points in plot.panels["tova"].lines.items()} == \
         pytest.approx({g: 10.0 for g in GRANULARITIES})
-    assert plot.panels["tova"].full_score == pytest.approx(40.0)
+    assert plot.panels["tova"].full_score == pytest.approx(60.0)
     (path,) = script.plot_families(script.group(script.load([str(tmp_path)])), tmp_path / "plots")
     assert path.stat().st_size > 0
 
@@ -476,3 +476,21 @@ def test_a_policy_argument_variant_is_set_against_its_scorer_at_each_granularity
     assert [row[1:] for row in rows if row[0] != "setting"] == [
         ["`kvzip` head layerwise=true", "0.1", "0", "`kvzip` head", "100", f"**-100 (p = {2 * 2 * 0.5 ** 10:.2g}, n = 10)**"],
         ["`kvzip` head layerwise=true", "0.1", "0", "`kvzip` head_page", "0", "+0 (p = 1, n = 10)"]]
+
+
+def test_the_scenarios_runs_are_left_out_and_names_carry_only_what_differs_within_a_model_length_and_mode(
+        script, tmp_path):
+    """A folder that also holds the scenario grids (perplexity at chunk size 1, multi-turn) and a 100-sample grid at
+    another length: those runs are scenario_tables.py's, and a 4,096-token setting's heading and plot name carry no
+    field that differs only from settings of another length (the plots' committed names stay the same)."""
+    write_setting(tmp_path, "ruler:niah_single_2", [1] * 10, same_everywhere([1] * 10), length=4096)
+    write_setting(tmp_path, "ruler:niah_single_2", [1] * 20, same_everywhere([0] * 20))  # 2,048: 20 samples
+    write_setting(tmp_path, "ppl", [0.5] * 10, same_everywhere([0.4] * 10), length=512, chunk_size=1)
+    write_setting(tmp_path, "ruler:multiturn_niah", [1] * 10, same_everywhere([1] * 10), query_aware=False)
+    groups = script.group(script.load([str(tmp_path)]))
+
+    assert {here.setting.task for here in groups} == {"ruler:niah_single_2"}
+    assert [here.differs for here in groups] == ["", ""]
+    assert sorted(plot.file_name for plot in script.family_plots(groups)) == [
+        "granularity-single-needle-smollm2-135m-2048-query-aware.png",
+        "granularity-single-needle-smollm2-135m-4096-query-aware.png"]
