@@ -33,6 +33,7 @@ from pathlib import Path
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
 
 from evalkit.policies.names import policy_family
 from evalkit.report.answer import policy_name
@@ -280,8 +281,10 @@ def baseline_line(kind: str, setting: tuple, runs: list[dict]) -> str:
             f"(n = {len(full['records'])}); no policy ran")
 
 
-def plot(runs: list[dict], path: Path) -> None:
-    """One figure for the first setting where a policy ran (`--task` and the folders choose it)."""
+def plot(runs: list[dict], path: Path) -> Figure:
+    """One figure for the first setting where a policy ran (`--task` and the folders choose it), written to
+    `path`. Perplexity on a log scale (a budget of a few pages can multiply it); the legend in the panel with the
+    most lines, the last of those, so that it names every granularity drawn."""
     kind = kind_of(runs)
     setting, here = by_setting(runs)[0]
     cells = cells_of(here)
@@ -317,15 +320,22 @@ def plot(runs: list[dict], path: Path) -> None:
         axes.set_xlabel("turn" if kind == "turns" else "budget")
         if kind == "turns":
             axes.xaxis.get_major_locator().set_params(integer=True)
-        if kind != "perplexity":
+        if kind == "perplexity":
+            axes.set_yscale("log")
+            for set_formatter, formatter in ((axes.yaxis.set_major_formatter, LogFormatter()),
+                                             (axes.yaxis.set_minor_formatter, LogFormatter(labelOnlyBase=False))):
+                set_formatter(formatter)  # 40, not 4 × 10^1
+        else:
             axes.set_ylim(-3, 103)
         axes.grid(alpha=0.3)
-    figure.axes[0].set_ylabel({"turns": "score (%)", "answers": "score (%)", "perplexity": "perplexity"}[kind])
-    figure.axes[-1].legend(fontsize=8)
+    figure.axes[0].set_ylabel({"turns": "score (%)", "answers": "score (%)",
+                               "perplexity": "perplexity (log scale)"}[kind])
+    max(reversed(figure.axes), key=lambda axes: len(axes.get_lines())).legend(fontsize=8)
     about = f"the mean over {', '.join(every)}" if kind == "turns" else "a panel per scorer"
     figure.suptitle(f"{heading(setting)}: a line per granularity, {about}", fontsize=9)
     figure.tight_layout()
     figure.savefig(path)
+    return figure
 
 
 def plot_survival(runs: list[dict], path: Path) -> None:

@@ -146,9 +146,14 @@ def test_a_plot_is_written_for_each_scenario(script, tmp_path, task, records):
         for budget in ((1.0,) if policy == "full" else (0.2, 0.5)):
             write_run(tmp_path / "runs", task, policy, budget, records)
     write_run(tmp_path / "runs", task, "h2o_head", 0.5, records, policy_args={"normalize": "true"})  # a variant
+    write_run(tmp_path / "runs", task, "streaming_llm", 0.2, records)  # a panel with one granularity, drawn last
     path = tmp_path / "figure.png"
-    script.plot(script.load([str(tmp_path / "runs")], task), path)
+    figure = script.plot(script.load([str(tmp_path / "runs")], task), path)
     assert path.read_bytes().startswith(b"\x89PNG")
+    assert {axes.get_yscale() for axes in figure.axes} == {"log" if task == "ppl" else "linear"}
+    (legend,) = [axes.get_legend() for axes in figure.axes if axes.get_legend() is not None]
+    drawn = {line.get_label() for axes in figure.axes for line in axes.get_lines()}
+    assert {text.get_text() for text in legend.get_texts()} == drawn  # the legend names every line of the figure
 
 
 def test_a_model_whose_full_cache_ran_alone_is_one_line_and_never_the_figure(script, tmp_path):
