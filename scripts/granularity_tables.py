@@ -48,10 +48,11 @@ the full cache's cell of the same sample shares the forward and compresses nothi
 median over samples is the compression's time, less what copying the whole prompt's KV into the full cache's
 branch costs over copying what a cell keeps (negative at 8,192 tokens).
 
-`--plots DIR` writes, per task family and setting but task,
+`--plots DIR` writes, per task family and setting but task and policy arguments,
 `granularity-<family>-<model>-<length>-<mode>.png` (then the setting's other fields that differ between
-the settings shown, if any): one panel per scorer, the family's score against the
-budget, one line per granularity, pooled over the family's tasks (the mean over their samples) with the
+the settings shown of that model, length and mode, if any): one panel per scorer (rows of four beyond five
+panels), the family's score against the budget, one line per granularity (a policy-argument variant dotted, in
+its granularity's colour), pooled over the family's tasks (the mean over their samples) with the
 pooled samples' 95 % interval (`score_interval`: Wilson for pass/fail scores), and the full cache dashed.
 Tasks whose full cache scores below FULL_CACHE_FLOOR are left out (the title names them), but where every
 task of the family is below it: then all of them are drawn and the title says ⚠ (what eviction keeps of
@@ -216,6 +217,15 @@ def differences(settings: Iterable[Setting]) -> dict[Setting, str]:
     return {s: ", ".join(f"{name}={value}" for name, value in s.others if name in differing) for s in settings}
 
 
+def differences_within_model_length_and_mode(settings: Iterable[Setting]) -> dict[Setting, str]:
+    """`differences` among the settings of each model, length and query mode: settings of another one already
+    read apart."""
+    alike: dict[tuple, list[Setting]] = {}
+    for setting in settings:
+        alike.setdefault((setting.model, setting.length, setting.query_aware), []).append(setting)
+    return {setting: text for group in alike.values() for setting, text in differences(group).items()}
+
+
 def _index(runs: Iterable[dict], key: Callable[[dict], tuple]) -> dict[tuple, dict]:
     """`runs` by `key`; an EvalkitError naming both runs where two share one (the table would show either)."""
     indexed: dict[tuple, dict] = {}
@@ -321,11 +331,7 @@ def group(runs: list[dict]) -> list[SettingRuns]:
     by_setting: dict[Setting, list[dict]] = {}
     for (setting, *_), run in cells.items():
         by_setting.setdefault(setting, []).append(run)
-    # Settings of another model, length or query mode already read apart: name what differs among the others only.
-    alike: dict[tuple, list[Setting]] = {}
-    for setting in by_setting:
-        alike.setdefault((setting.model, setting.length, setting.query_aware), []).append(setting)
-    differs = {setting: text for settings in alike.values() for setting, text in differences(settings).items()}
+    differs = differences_within_model_length_and_mode(by_setting)
     order = sorted(by_setting, key=lambda s: (not s.query_aware, s.model, s.length, s.task, s.others))
     # Any cell names the full cache: a setting fixes every field `full_cache` keeps or resets.
     return [SettingRuns(setting, differs[setting], fulls.get(_full_cache_setting(by_setting[setting][0])),
@@ -659,38 +665,52 @@ class FamilyPlot:
 
 
 def family_plots(groups: list[SettingRuns]) -> list[FamilyPlot]:
-    """Per task family and setting but task: the family's tasks the full cache can do, pooled per scorer over
-    those that ran it. A point is kept only where each of a panel's tasks has the cell, so a line always
-    averages the same tasks."""
+    """Per task family and setting but task and policy arguments: the family's tasks the full cache can do,
+    pooled per scorer over those that ran it; a policy-argument variant (`kvzip_head:layerwise=true`) is a line of
+    its scorer's panel, named "head layerwise=true". A point is kept only where each of a line's tasks has the
+    cell, so a line always averages the same tasks."""
     by_plot: dict[tuple, list[SettingRuns]] = {}
     for here in groups:
-        s = here.setting
+        s = _without_arguments(here.setting)
         by_plot.setdefault((_family_index(family_of(s.task)), s.model, s.length, not s.query_aware, s.others),
                            []).append(here)
+    differs = differences_within_model_length_and_mode({_without_arguments(here.setting) for here in groups})
     plots = []
     for key in sorted(by_plot):
         members = by_plot[key]
-        family, first = family_of(members[0].setting.task), members[0]
+        family, first = family_of(members[0].setting.task), _without_arguments(members[0].setting)
         kept = [m for m in members if not m.cannot_do_task]
         below_floor = not kept
         kept = kept or members
         panels = {}
         for scorer in sorted({scorer for m in kept for scorer in m.scorers}):
-            ran = [m for m in kept if scorer in m.scorers]
-            budgets = sorted({b for m in ran for b in m.budgets})
-            lines = {}
-            for granularity in GRANULARITY_ORDER:
-                cells = {b: [m.cell(scorer, granularity, b) for m in ran] for b in budgets}
-                lines[granularity] = {b: _pooled(found) for b, found in cells.items() if all(found)}
-            full_score = _pooled([m.full for m in ran])[0] if all(m.full for m in ran) else None
-            panels[scorer] = Panel([m.setting.task for m in ran], lines, full_score)
-        name = "-".join([_slug(family), first.setting.model, str(first.setting.length), first.setting.mode,
-                         *([_slug(first.differs)] if first.differs else [])])
-        plots.append(FamilyPlot(f"{family}: {first.setting.model}, {first.setting.length:,} tokens, {first.mode}",
-                                f"granularity-{name}.png", [m.setting.task for m in kept],
-                                [m.setting.task for m in members if m.cannot_do_task and not below_floor],
+            lines, tasks, full_score = {}, None, None
+            for variant in sorted({_arguments(m.setting) for m in kept if scorer in m.scorers}):
+                ran = [m for m in kept if scorer in m.scorers and _arguments(m.setting) == variant]
+                budgets = sorted({b for m in ran for b in m.budgets})
+                for granularity in GRANULARITY_ORDER:
+                    cells = {b: [m.cell(scorer, granularity, b) for m in ran] for b in budgets}
+                    points = {b: _pooled(found) for b, found in cells.items() if all(found)}
+                    if points or not variant:
+                        lines[f"{granularity} {variant}".strip()] = points
+                if tasks is None:  # the scorer's own runs first ("" sorts first), else its first variant's
+                    tasks = [m.setting.task for m in ran]
+                    full_score = _pooled([m.full for m in ran])[0] if all(m.full for m in ran) else None
+            panels[scorer] = Panel(tasks, lines, full_score)
+        mode = first.mode + (f" ({differs[first]})" if differs[first] else "")
+        name = "-".join([_slug(family), first.model, str(first.length), first.mode,
+                         *([_slug(differs[first])] if differs[first] else [])])
+        plots.append(FamilyPlot(f"{family}: {first.model}, {first.length:,} tokens, {mode}",
+                                f"granularity-{name}.png", sorted({m.setting.task for m in kept}),
+                                sorted({m.setting.task for m in members if m.cannot_do_task and not below_floor}),
                                 below_floor, panels))
     return plots
+
+
+def _arguments(setting: Setting) -> str:
+    """The setting's policy arguments as `name=value` pairs ("" for none)."""
+    arguments = json.loads(dict(setting.others).get("policy_args", "{}"))
+    return ", ".join(f"{name}={value}" for name, value in sorted(arguments.items()))
 
 
 def plot_families(groups: list[SettingRuns], folder: Path) -> list[Path]:
@@ -703,10 +723,15 @@ def plot_families(groups: list[SettingRuns], folder: Path) -> list[Path]:
     return written
 
 
+_PANELS_IN_ONE_ROW = 5  # more scorers than this (the frontier grids') wrap into rows of 4 panels
+
+
 def _draw(plot: FamilyPlot, path: Path) -> None:
     scorers = list(plot.panels)
+    columns = len(scorers) if len(scorers) <= _PANELS_IN_ONE_ROW else 4
+    rows = -(-max(1, len(scorers)) // max(1, columns))
     # No pyplot: no global figure state; constrained layout keeps the two-line title off the panels.
-    figure = Figure(figsize=(4 * max(1, len(scorers)), 3.8), dpi=110, layout="constrained")
+    figure = Figure(figsize=(4 * max(1, columns), 3.8 * rows), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     tasks = ", ".join(task.removeprefix("ruler:") for task in plot.tasks) or "none"
     note = ""
@@ -717,7 +742,7 @@ def _draw(plot: FamilyPlot, path: Path) -> None:
         note = f"\n⚠ full cache < {100 * FULL_CACHE_FLOOR:.0f} on every task: not eviction results"
     figure.suptitle(f"{plot.title}\nmean over {tasks}{note}", fontsize=9)
     for index, scorer in enumerate(scorers or [None]):
-        axes = figure.add_subplot(1, max(1, len(scorers)), index + 1)
+        axes = figure.add_subplot(rows, max(1, columns), index + 1)
         panel = plot.panels.get(scorer)
         title = scorer or "no cell"
         if panel and panel.tasks != plot.tasks:
@@ -726,13 +751,15 @@ def _draw(plot: FamilyPlot, path: Path) -> None:
         axes.set_ylim(-3, 103)
         axes.grid(alpha=0.3)
         axes.set_xlabel("budget (fraction of the prompt kept)")
-        if index == 0:
+        if index % max(1, columns) == 0:
             axes.set_ylabel("score (%)")
-        for granularity, points in (panel.lines if panel else {}).items():
-            if points:
+        for line, points in (panel.lines if panel else {}).items():
+            if points:  # a granularity's colour; its policy-argument variants dotted
+                granularity, _, variant = line.partition(" ")
                 axes.errorbar(list(points), [score for score, _ in points.values()],
                               yerr=list(zip(*(bar for _, bar in points.values()))), marker="o", capsize=3,
-                              label=granularity)
+                              color=f"C{GRANULARITY_ORDER.index(granularity)}", linestyle=":" if variant else "-",
+                              label=line)
         if panel and panel.full_score is not None:
             axes.axhline(panel.full_score, color="gray", linestyle="--", label="full cache")
         if axes.get_legend_handles_labels()[0]:

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 
 _PATH = Path(__file__).resolve().parent.parent / "scripts" / "granularity_tables.py"
@@ -494,3 +495,23 @@ def test_the_scenarios_runs_are_left_out_and_names_carry_only_what_differs_withi
     assert sorted(plot.file_name for plot in script.family_plots(groups)) == [
         "granularity-single-needle-smollm2-135m-2048-query-aware.png",
         "granularity-single-needle-smollm2-135m-4096-query-aware.png"]
+
+
+def test_a_policy_argument_variant_is_a_dotted_line_of_its_scorers_panel(script, tmp_path):
+    """KVzip's `layerwise=true` beside its plain cells: one plot (named as without it), the variant a line of the
+    scorer's panel, pooled over its own runs only; more scorers than fit a row wrap into rows of four."""
+    write_setting(tmp_path, "ruler:niah_single_2", [1] * 10, same_everywhere([1] * 4 + [0] * 6), scorer="kvzip")
+    write_run(tmp_path, "ruler:niah_single_2", "kvzip_head", 0.1, [0] * 10, policy_args={"layerwise": "true"})
+    for scorer in ("h2o", "snapkv", "tova", "knorm", "keydiff"):
+        write_run(tmp_path, "ruler:niah_single_2", f"{scorer}_head", 0.1, [1] * 10)
+    groups = script.group(script.load([str(tmp_path)]))
+    (plot,) = script.family_plots(groups)
+
+    assert plot.file_name == "granularity-single-needle-smollm2-135m-2048-query-aware.png"
+    lines = plot.panels["kvzip"].lines
+    assert {line: {b: score for b, (score, _) in points.items()} for line, points in lines.items()} == \
+        {**{g: {0.1: 40.0} for g in GRANULARITIES}, "head layerwise=true": {0.1: 0.0}}
+    assert plot.panels["kvzip"].full_score == 100.0 and plot.panels["kvzip"].tasks == ["ruler:niah_single_2"]
+    (path,) = script.plot_families(groups, tmp_path / "plots")
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert height / width > 0.3  # six panels in two rows of four, not one row of six (about 0.16)
