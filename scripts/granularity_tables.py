@@ -11,8 +11,8 @@ and its variant fields but granularity (query mode, prefill, chunk size, decode 
 sliding layers, layout, block size, page pool), so that runs paired on a sample id hold the same sample.
 Headings name the task, length, model and query mode, and any other field that differs between the
 settings shown of the same model, length and query mode. Runs of the scenarios where the cache turns over
-(`TURNS_OVER`: scripts/scenario_tables.py's) are left out. Within a setting a run is its policy's (scorer, granularity) (`policy_family`: aliases and
-`--granularity` runs count as the preset they run) at a budget; two runs there are an error. Each
+(`TURNS_OVER`: scripts/scenario_tables.py's) are left out. Within a setting a run is its policy's (scorer,
+granularity) (`policy_family`: aliases and `--granularity` runs count as the preset they run) at a budget; two runs there are an error. Each
 setting's reference is the full-cache run of its `RunConfig.full_cache`. A run still going is shown with
 the samples it has finished; one that has finished none is left out. A setting whose full cache scores
 below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even without eviction, so what the
@@ -82,11 +82,11 @@ from evalkit.config import RunConfig, fields_where
 from evalkit.errors import EvalkitError
 from evalkit.policies.names import policy_family, policy_label
 from evalkit.report.answer import CAN_DO
+from evalkit.results import RunDir
 from evalkit.tasks import TASKS
 from evalkit.tasks.long_answer import ReciteTask
 from evalkit.tasks.multiturn import MultiturnTask
 from evalkit.tasks.ppl import Perplexity
-from evalkit.results import RunDir
 from evalkit.uncertainty import Comparison, compare, holm, score_interval
 from evalkit.uncertainty.settings import ALPHA
 
@@ -134,8 +134,8 @@ TURNS_OVER = (MultiturnTask, ReciteTask, Perplexity)
 
 def load(folders: list[str]) -> list[dict]:
     """Every run folder of a single-question task (not `TURNS_OVER`) with at least one finished sample; one still
-    running (no metrics.json yet) is summarised from its finished samples. Its config holds every RunConfig field; a policy run is its
-    (scorer, granularity) as `policy_family` says. A run id in two folders (a later grid's cell that an earlier
+    running (no metrics.json yet) is summarised from its finished samples. Its config holds every RunConfig
+    field; a policy run is its (scorer, granularity) as `policy_family` says. A run id in two folders (a later grid's cell that an earlier
     grid already ran: the same config, so the same answers) is one run, the copy with more finished samples; an
     EvalkitError where the copies answer a sample differently."""
     runs: dict[str, dict] = {}
@@ -728,10 +728,10 @@ _PANELS_IN_ONE_ROW = 5  # more scorers than this (the frontier grids') wrap into
 
 def _draw(plot: FamilyPlot, path: Path) -> None:
     scorers = list(plot.panels)
-    columns = len(scorers) if len(scorers) <= _PANELS_IN_ONE_ROW else 4
-    rows = -(-max(1, len(scorers)) // max(1, columns))
+    columns = max(1, len(scorers)) if len(scorers) <= _PANELS_IN_ONE_ROW else 4
+    rows = -(-max(1, len(scorers)) // columns)
     # No pyplot: no global figure state; constrained layout keeps the two-line title off the panels.
-    figure = Figure(figsize=(4 * max(1, columns), 3.8 * rows), dpi=110, layout="constrained")
+    figure = Figure(figsize=(4 * columns, 3.8 * rows), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     tasks = ", ".join(task.removeprefix("ruler:") for task in plot.tasks) or "none"
     note = ""
@@ -742,7 +742,7 @@ def _draw(plot: FamilyPlot, path: Path) -> None:
         note = f"\n⚠ full cache < {100 * FULL_CACHE_FLOOR:.0f} on every task: not eviction results"
     figure.suptitle(f"{plot.title}\nmean over {tasks}{note}", fontsize=9)
     for index, scorer in enumerate(scorers or [None]):
-        axes = figure.add_subplot(rows, max(1, columns), index + 1)
+        axes = figure.add_subplot(rows, columns, index + 1)
         panel = plot.panels.get(scorer)
         title = scorer or "no cell"
         if panel and panel.tasks != plot.tasks:
@@ -751,7 +751,7 @@ def _draw(plot: FamilyPlot, path: Path) -> None:
         axes.set_ylim(-3, 103)
         axes.grid(alpha=0.3)
         axes.set_xlabel("budget (fraction of the prompt kept)")
-        if index % max(1, columns) == 0:
+        if index % columns == 0:
             axes.set_ylabel("score (%)")
         for line, points in (panel.lines if panel else {}).items():
             if points:  # a granularity's colour; its policy-argument variants dotted
