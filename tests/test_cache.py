@@ -571,7 +571,20 @@ def check_tokens(layer, data):
     view = layer.read()  # key norms, kept by every write from the first check on, equal fresh ones
     live = view.pos >= 0
     assert torch.equal(view.key_norms[live], view.k[live].double().norm(dim=-1))
+    check_per_slot_memo(layer)
     assert layer.bytes_ideal().tolist() == [sum(len(d) for d in row) * TOKEN_BYTES for row in data]
+
+
+def check_per_slot_memo(layer):
+    """`per_slot`, kept from the first check on and asked through both reads, equals a fresh computation on
+    every live slot: a value that depends on the slot's own V row and on its KV head."""
+    def of_slots(slots):  # [B, H_kv, n] -> [B, H_kv, n]
+        heads = torch.arange(1, slots.shape[1] + 1, dtype=torch.float64)[None, :, None]
+        return layer.gather(layer.v, slots).double().sum(-1) * heads
+
+    for view in (layer.read(), layer.read(trim=True)):
+        live = view.pos >= 0
+        assert torch.equal(layer.per_slot("probe", view.index, of_slots)[live], of_slots(view.index)[live])
 
 
 def add_random_stats(seed, layers, data):

@@ -626,3 +626,70 @@ def test_a_score_input_gathers_only_what_the_scorer_reads():
         for field in wanted:  # read again: the same tensor, not made twice
             assert getattr(inp, field) is tensors[field]
         assert len(made) == len(wanted)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+def test_a_tokens_projected_value_norm_is_the_same_bits_whichever_tokens_it_is_computed_with(rows):
+    """CriticalKV's ‖v W_o‖₁ of a few tokens (a decode step's new ones) equals, bit for bit, theirs computed with
+    every token of the layer: without the padding to 16 rows, one to three rows round differently on the CPU.
+    Shapes: the default model's (9 query heads of 64 over 3 KV heads, 576 wide), Gemma 3 270M's (4 of 256 over
+    1, 640) and a tiny one."""
+    from evalkit.policies.critical import projected_value_norms
+
+    g = torch.Generator().manual_seed(rows)
+    for kv_heads, q_heads, head_dim, hidden in [(3, 9, 64, 576), (1, 4, 256, 640), (2, 4, 16, 64)]:
+        o_proj = torch.randn(hidden, q_heads * head_dim, generator=g)
+        for n in (16, 300, 2_100):
+            values = torch.randn(1, kv_heads, n, head_dim, generator=g)
+            picked = torch.randperm(n, generator=g)[:rows]
+            some = projected_value_norms(values[:, :, picked], o_proj)
+            assert torch.equal(some, projected_value_norms(values, o_proj)[:, :, picked]), (head_dim, n)
+
+
+@pytest.mark.parametrize("layout", ["paged", "dense"])
+@pytest.mark.parametrize("name", ["critical_keydiff_head", "critical_lagkv_head_page"])
+def test_critical_value_norms_kept_per_token_score_as_if_computed_at_every_step(name, layout, monkeypatch):
+    """CriticalKV's projected value norms are computed once per stored token (`SlotLayer.per_slot`): through
+    a chunked prefill and decode eviction at every step, every norm it scores with, the tokens kept and the
+    tokens generated equal a run that computes every token's norm at every compression, bit for bit, from fewer
+    rows."""
+    import evalkit.policies.critical as critical
+    from evalkit.cache.storage import SlotLayer
+
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (130, 97)]
+    requests = [Request(p[:-5], p[-5:], 8) for p in prompts]
+    settings = GenerationSettings(make_policy(name), budget=0.5, page_size=4, prefill="chunked", chunk_size=48,
+                                  layout=layout)
+    norms_of = critical.projected_value_norms
+
+    def run():
+        norms, kept, rows = [], [], []
+
+        def counted(values, o_proj):
+            if values.shape[2] >= critical.ROWS_AT_LEAST:  # fewer: padded, and counted as the padded call
+                rows.append(values.shape[2])
+            return norms_of(values, o_proj)
+
+        def recorded(self, name, of_values):
+            out = ScoreInput.of_each_value.__wrapped__(self, name, of_values)
+            norms.append(out[self.positions >= 0])
+            return out
+
+        def watch(event, cache):
+            if event == "compressed":
+                kept.append([layer.read().pos.sort(-1).values for layer in cache.layers])
+
+        with monkeypatch.context() as patch:
+            patch.setattr(critical, "projected_value_norms", counted)
+            recorded.__wrapped__ = ScoreInput.of_each_value
+            patch.setattr(ScoreInput, "of_each_value", recorded)
+            out = generate(gqa3_model(), None, requests, settings, observe=watch)
+        return [g.token_ids for g in out], norms, kept, sum(rows)
+
+    tokens, norms, kept, rows = run()
+    monkeypatch.setattr(SlotLayer, "per_slot", lambda self, name, index, compute: compute(index))
+    every_step = run()
+    assert tokens == every_step[0] and len(norms) == len(every_step[1]) >= 10  # LagKV: every `lag` tokens
+    assert all(torch.equal(a, b) for a, b in zip(norms, every_step[1]))
+    assert all(torch.equal(a, b) for step, other in zip(kept, every_step[2]) for a, b in zip(step, other))
+    assert rows < every_step[3]

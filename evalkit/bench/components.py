@@ -28,7 +28,7 @@ import torch
 from evalkit.attention_ops import attention_reference, prefill_route, prompt_attention, statistic_queries
 from evalkit.bench.isolation import Clock, PeakMemory
 from evalkit.cache import PagedLayer, model_kv_shape
-from evalkit.cache.storage import key_norms_of
+from evalkit.cache.kept_per_slot import key_norms_of
 from evalkit.kernels import use_triton
 from evalkit.policies import ScoreInput, make_policy, tokens_for
 

@@ -6,7 +6,8 @@ A layout (evalkit/cache/layouts.py: `PagedLayer`, `DenseLayer`) only decides
 which slots belong to which (sequence, KV head).
 
 Everything else (append, read, evict, compact, accounting; a static decode's
-frozen slots, evalkit/cache/frozen_slots.py) is shared, so the same policy
+frozen slots, evalkit/cache/frozen_slots.py; what is kept per slot besides,
+evalkit/cache/kept_per_slot.py) is shared, so the same policy
 gives the same tokens on both. The last slots are a sentinel that is always
 empty: views pad ragged heads with it and attention masks it out.
 """
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-
 import torch
 
 from evalkit.cache.frozen_slots import FrozenSlots
+from evalkit.cache.kept_per_slot import KeptPerSlot
 
 
 @dataclass
@@ -52,12 +53,7 @@ class SlotView:
         return self.layer.gather(self.layer.key_norms(), self.index)
 
 
-def key_norms_of(k: torch.Tensor) -> torch.Tensor:
-    """[...] float64 L2 norms of keys [..., D] (float32 would order near-equal norms by rounding noise)."""
-    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
-
-
-class SlotLayer(FrozenSlots):
+class SlotLayer(FrozenSlots, KeptPerSlot):
     def __init__(self, batch: int, kv_heads: int, head_dim: int, num_slots: int, sentinel_slots: int,
                  dtype: torch.dtype, device: torch.device | str):
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
@@ -73,7 +69,7 @@ class SlotLayer(FrozenSlots):
         # slots are its first `end` minus the one at `hole` (hole == end: none lost). Decoding fills the
         # hole and the layer is packed again, so decode eviction never scans for free slots either.
         self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
+        self._init_kept()  # key norms and other per-slot quantities (evalkit/cache/kept_per_slot.py)
         # (slot index, `packed`, each head's first n slots of that index or None): `read(trim=True)`'s last answer
         self._trimmed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head
@@ -141,13 +137,6 @@ class SlotLayer(FrozenSlots):
             if view is not None:
                 return view
         return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
-
-    def key_norms(self) -> torch.Tensor:
-        """[slots] float64 L2 norm of each slot's key. Computed for every slot when first asked for, then
-        kept by every write: a key-norm scorer reads it each decode step instead of every kept key."""
-        if self._key_norms is None:
-            self._key_norms = key_norms_of(self.k)
-        return self._key_norms
 
     def gather_kv(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """`gather` for K or V, whose rows are only read where the slot is live (attention masks the rest):
@@ -221,8 +210,7 @@ class SlotLayer(FrozenSlots):
             self.stats.index_fill_(0, slots, 0.0)
         else:
             self.stats.index_copy_(0, slots, stats)
-        if self._key_norms is not None:
-            self._key_norms.index_copy_(0, slots, key_norms_of(k))
+        self._kept_written(slots, k)
 
     def _write_after_packed(self, k, v, pos) -> bool:
         """While every head holds the same n tokens in its first n slots, store k, v [B, H, T, D] (positions
@@ -231,9 +219,8 @@ class SlotLayer(FrozenSlots):
         n = self._equal_count()
         if n is None or self._prefix_rows(self.pos, n + k.shape[2]) is None:
             return False
-        written = [(self.k, k), (self.v, v), (self.pos, pos[:, None, :]), (self.stats, 0.0)]
-        if self._key_norms is not None:
-            written.append((self._key_norms, key_norms_of(k)))
+        written = [(self.k, k), (self.v, v), (self.pos, pos[:, None, :]), (self.stats, 0.0),
+                   *self._kept_after_packed(k)]
         for rows, new in written:
             self._prefix_rows(rows, n + k.shape[2])[:, :, n:] = new
         return True

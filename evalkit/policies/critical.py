@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from evalkit.policies.arguments import arg
 from evalkit.policies.base import Policy, ScoreInput
@@ -46,17 +47,26 @@ def critical_of(wrapped: type[Policy]) -> type[Policy]:
                                                           stable=True))
             picked = torch.zeros_like(live).scatter(
                 -1, ranked, torch.arange(base.shape[-1]).expand_as(ranked) < first[:, None, None]) & live
-            corrected = (base + self.critical_epsilon) * projected_value_norms(inp.values, inp.output_projection)
+            norms = inp.of_each_value("critical_projected_value_norms",
+                                      lambda values: projected_value_norms(values, inp.output_projection))
+            corrected = (base + self.critical_epsilon) * norms
             return corrected.masked_fill(picked, FIRST_STAGE)
 
     Critical.__name__ = Critical.__qualname__ = f"Critical{wrapped.__name__}"
     return Critical
 
 
+# Fewer rows than this and the CPU's GEMM rounds a row differently (measured: 1 to 3 rows); padded, a token's
+# norm is the same bits whichever tokens it is computed with, as the decode steps' memo needs (`of_each_value`).
+ROWS_AT_LEAST = 16
+
+
 def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
     """[B, H_kv, N]: ‖v W_o,h‖₁ per query head h, averaged over each KV head's query heads.
     values: [B, H_kv, N, D]; o_proj: [hidden, H_q * D], the layer's output projection weight."""
     B, H_kv, N, D = values.shape
+    if N < ROWS_AT_LEAST:
+        return projected_value_norms(F.pad(values, (0, 0, 0, ROWS_AT_LEAST - N)), o_proj)[..., :N]
     heads = o_proj.T.reshape(-1, D, o_proj.shape[0]).to(values.dtype)  # [H_q, D, hidden]
     G = heads.shape[0] // H_kv
     norms = torch.stack([(values[:, h // G] @ heads[h]).abs().sum(-1) for h in range(heads.shape[0])], 1)

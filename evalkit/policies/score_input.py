@@ -33,6 +33,8 @@ class ScoreInput:
     rope: Callable | None = None  # positions [B, n] -> (cos, sin) [B, n, D] of the model's RoPE (with `queries`)
     output_projection: torch.Tensor | None = None  # [hidden, H_q * D] o_proj weight
     span: int | None = None  # a static decode step's bound on the positions (`loop.static_decode`); None: their max + 1
+    # (name, of_values) -> [B, H_kv, N]: `of_values` of each token, kept per stored token (`SlotLayer.per_slot`)
+    remembered: Callable[[str, Callable], torch.Tensor] | None = None
     sources: dict[str, Callable[[], object]] = field(default_factory=dict, repr=False)  # field -> its maker
 
     def __getattribute__(self, name: str):
@@ -43,3 +45,12 @@ class ScoreInput:
                 value = make()
                 object.__setattr__(self, name, value)
         return value
+
+    def of_each_value(self, name: str, of_values: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[B, H_kv, N] `of_values(values [B, H_kv, n, D]) -> [B, H_kv, n]`, a quantity of each token's own value
+        row (its KV head may matter), under `name`: where the loop keeps it per stored token, a decode step
+        computes it for the new tokens only. `of_values` must give a token the same result whatever tokens
+        it is computed with."""
+        if self.remembered is None:
+            return of_values(self.values)
+        return self.remembered(name, of_values)

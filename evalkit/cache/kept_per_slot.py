@@ -1,0 +1,73 @@
+"""What a layer keeps derived from each slot's token, so a decode step does not recompute it over every kept
+token: the keys' norms (`key_norms`: written with every key once asked for, so a static step reads them too)
+and quantities that also depend on the slot's KV head (`per_slot`: computed lazily for the slots written
+since the last ask). `KeptPerSlot` holds these methods of `SlotLayer` (evalkit/cache/storage.py); every
+write of a slot calls `_kept_written`, every write through a packed layer's view `_kept_after_packed`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def key_norms_of(k: torch.Tensor) -> torch.Tensor:
+    """[...] float64 L2 norms of keys [..., D] (float32 would order near-equal norms by rounding noise)."""
+    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
+
+
+class KeptPerSlot:
+    """`SlotLayer`'s kept per-slot quantities, mixed into it: uses its slot arrays (`k`, `pos`) and `gather`."""
+
+    def _init_kept(self) -> None:
+        self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
+        # name -> (each slot's value [slots], fresh [slots] bool: not written since): `per_slot`'s memo
+        self._remembered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def key_norms(self) -> torch.Tensor:
+        """[slots] float64 L2 norm of each slot's key. Computed for every slot when first asked for, then
+        kept by every write: a key-norm scorer reads it each decode step instead of every kept key."""
+        if self._key_norms is None:
+            self._key_norms = key_norms_of(self.k)
+        return self._key_norms
+
+    def per_slot(self, name: str, index: torch.Tensor,
+                 compute: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """[B, H_kv, N] a quantity of each slot's own token, `compute(slots [B, H_kv, n]) -> [B, H_kv, n]`,
+        for the slots `index` of a view: kept per slot until the slot is written again, so a scorer asking
+        every decode step pays for the new tokens only. Unlike `key_norms` it may depend on the slot's KV
+        head (its place in `slots`), and it is made on the host's schedule (a static step reads none).
+        `compute` must give a slot the same value whatever slots it is asked with."""
+        if name not in self._remembered:
+            rows = compute(index)
+            kept = torch.zeros(self.pos.shape[0], dtype=rows.dtype, device=rows.device)
+            kept.index_copy_(0, index.reshape(-1), rows.reshape(-1))  # padding repeats the sentinel: any value
+            fresh = torch.zeros(self.pos.shape[0], dtype=torch.bool, device=rows.device)
+            self._remembered[name] = (kept, fresh.index_fill_(0, index.reshape(-1), True))
+            return rows
+        kept, fresh = self._remembered[name]
+        stale = ~self.gather(fresh, index)  # [B, H_kv, N]
+        most = int(stale.sum(-1).max())
+        if most:
+            if most == 1:  # decoding: each head's new token
+                first = stale.to(torch.int8).argmax(-1, keepdim=True)
+            else:
+                first = torch.sort((~stale).to(torch.int8), dim=-1, stable=True).indices[..., :most]
+            slots, taken = index.gather(-1, first), stale.gather(-1, first)  # [B, H_kv, most] each head's stale first
+            kept.index_copy_(0, slots[taken], compute(slots)[taken])
+            fresh.index_fill_(0, slots[taken], True)
+        return self.gather(kept, index)
+
+    def _kept_written(self, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Keys k [n, D] were written to `slots` [n]: their norms kept, whatever else was kept of them stale."""
+        if self._key_norms is not None:
+            self._key_norms.index_copy_(0, slots, key_norms_of(k))
+        for _, fresh in self._remembered.values():
+            fresh.index_fill_(0, slots, False)
+
+    def _kept_after_packed(self, k: torch.Tensor) -> list[tuple[torch.Tensor, object]]:
+        """(per-slot array, what the new tokens' slots take) for keys k [B, H_kv, T, D] written through a
+        packed layer's view (`_write_after_packed`)."""
+        written = [] if self._key_norms is None else [(self._key_norms, key_norms_of(k))]
+        return written + [(fresh, False) for _, fresh in self._remembered.values()]
