@@ -587,6 +587,33 @@ def check_per_slot_memo(layer):
         assert torch.equal(layer.per_slot("probe", view.index, of_slots)[live], of_slots(view.index)[live])
 
 
+@pytest.mark.parametrize("make", [lambda: paged(2, 3, 40, 4), lambda: dense(2, 3, 24)])
+def test_a_filled_layer_keeps_what_its_source_kept_of_each_token(make):
+    """`fill` (a shared prefill's branch taking the tokens its policy kept) carries `per_slot`'s values with
+    the tokens: the branch's first ask computes nothing, and equals a fresh computation."""
+    source, branch = make(), make()
+    append(source, [list(range(20)), list(range(100, 120))], valid=[[True] * 20, [True] * 17 + [False] * 3])
+    asked = []
+
+    def of_slots(layer):
+        def compute(slots):
+            asked.append(int((layer.gather(layer.pos, slots) >= 0).sum()))
+            heads = torch.arange(1, slots.shape[1] + 1, dtype=torch.float64)[None, :, None]
+            return layer.gather(layer.v, slots).double().sum(-1) * heads
+        return compute
+
+    view = source.read()
+    source.per_slot("probe", view.index, of_slots(source))
+    keep = torch.rand(view.pos.shape, generator=torch.Generator().manual_seed(0)) < 0.5
+    branch.fill(source, view.index, keep & (view.pos >= 0))
+    asked.clear()
+    view = branch.read()
+    live = view.pos >= 0
+    assert int(live.sum()) == int((keep & (source.read().pos >= 0)).sum()) > 0
+    assert torch.equal(branch.per_slot("probe", view.index, of_slots(branch))[live], of_slots(branch)(view.index)[live])
+    assert asked == [int(live.sum())]  # only the fresh computation above read a token
+
+
 def add_random_stats(seed, layers, data):
     """Add a small integer (exact in float32) to every live token's statistic, on each layer and in `data`."""
     g = torch.Generator().manual_seed(seed)

@@ -47,7 +47,7 @@ class KeptPerSlot:
             self._remembered[name] = (kept, fresh.index_fill_(0, index.reshape(-1), True))
             return rows
         kept, fresh = self._remembered[name]
-        stale = ~self.gather(fresh, index)  # [B, H_kv, N]
+        stale = ~self.gather(fresh, index) & (self.gather(self.pos, index) >= 0)  # [B, H_kv, N]; empty: no value
         most = int(stale.sum(-1).max())
         if most:
             if most == 1:  # decoding: each head's new token
@@ -65,6 +65,21 @@ class KeptPerSlot:
             self._key_norms.index_copy_(0, slots, key_norms_of(k))
         for _, fresh in self._remembered.values():
             fresh.index_fill_(0, slots, False)
+
+    def _kept_of(self, src: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """What `per_slot` keeps of the tokens in slots `src` [n], read before they move (compaction, `fill`)."""
+        return {name: (kept.index_select(0, src), fresh.index_select(0, src))
+                for name, (kept, fresh) in self._remembered.items()}
+
+    def _kept_moved(self, dst: torch.Tensor, moved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The tokens `_kept_of` read were just written to slots `dst` [n]: each keeps what was kept of it, as its
+        KV head does not change."""
+        for name, (kept, fresh) in moved.items():
+            if name not in self._remembered:
+                self._remembered[name] = (kept.new_zeros(self.pos.shape), fresh.new_zeros(self.pos.shape))
+            to_kept, to_fresh = self._remembered[name]
+            to_kept.index_copy_(0, dst, kept)
+            to_fresh.index_copy_(0, dst, fresh)
 
     def _kept_after_packed(self, k: torch.Tensor) -> list[tuple[torch.Tensor, object]]:
         """(per-slot array, what the new tokens' slots take) for keys k [B, H_kv, T, D] written through a

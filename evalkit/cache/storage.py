@@ -280,10 +280,12 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
         k, v, pos, stats = (rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats))  # live, in fill order
+        moved = self._kept_of(src)
         self.pos[index[live]] = -1
         index = self._into_runs(kept)
         dst = index[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]  # each head's first slots
         self._write(dst, k, v, pos, stats)
+        self._kept_moved(dst, moved)
         self._release_empty()
 
     def fill(self, source: "SlotLayer", index: torch.Tensor, keep: torch.Tensor) -> None:
@@ -299,6 +301,7 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         dst = self.slot_index()
         dst = dst[torch.arange(dst.shape[-1], device=dst.device) < kept[..., None]]
         self._write(dst, *(rows.index_select(0, src) for rows in (source.k, source.v, source.pos, source.stats)))
+        self._kept_moved(dst, source._kept_of(src))
         self.packed, self.single_hole = kept, None
 
     def _reserve_apart(self, free_needed: torch.Tensor) -> None:
