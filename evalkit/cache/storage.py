@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+
 import torch
 
 from evalkit.cache.frozen_slots import FrozenSlots
