@@ -12,8 +12,8 @@ sliding layers, layout, block size, page pool), so that runs paired on a sample 
 Headings name the task, length, model and query mode, and any other field that differs between the
 settings shown of the same model, length and query mode. Runs of the scenarios where the cache turns over
 (`TURNS_OVER`: scripts/scenario_tables.py's) are left out. Within a setting a run is its policy's (scorer,
-granularity) (`policy_family`: aliases and `--granularity` runs count as the preset they run) at a budget; two runs there are an error. Each
-setting's reference is the full-cache run of its `RunConfig.full_cache`. A run still going is shown with
+granularity) (`policy_family`: aliases and `--granularity` runs count as the preset they run) at a budget;
+two runs there are an error. Each setting's reference is the full-cache run of its `RunConfig.full_cache`. A run still going is shown with
 the samples it has finished; one that has finished none is left out. A setting whose full cache scores
 below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even without eviction, so what the
 policies score there says nothing about eviction.
@@ -135,9 +135,9 @@ TURNS_OVER = (MultiturnTask, ReciteTask, Perplexity)
 def load(folders: list[str]) -> list[dict]:
     """Every run folder of a single-question task (not `TURNS_OVER`) with at least one finished sample; one still
     running (no metrics.json yet) is summarised from its finished samples. Its config holds every RunConfig
-    field; a policy run is its (scorer, granularity) as `policy_family` says. A run id in two folders (a later grid's cell that an earlier
-    grid already ran: the same config, so the same answers) is one run, the copy with more finished samples; an
-    EvalkitError where the copies answer a sample differently."""
+    field; a policy run is its (scorer, granularity) as `policy_family` says. A run id in two folders (a later
+    grid's cell that an earlier grid already ran: the same config, so the same answers) is one run, the copy
+    with more finished samples; an EvalkitError where the copies answer a sample differently."""
     runs: dict[str, dict] = {}
     for folder in folders:
         for predictions in sorted(Path(folder).glob("*/predictions.jsonl")):

@@ -17,6 +17,14 @@ def key_norms_of(k: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64)
 
 
+def first_where(mask: torch.Tensor, m: int) -> torch.Tensor:
+    """[..., m] the indices of the first m places of `mask` [..., N] that hold, in order along the last dimension
+    (padded with places that do not, where fewer hold): a head's lowest free slots, or its stale ones."""
+    if m == 1:  # decoding: argmax returns the first place that holds
+        return mask.to(torch.int8).argmax(-1, keepdim=True)
+    return torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :m]
+
+
 class KeptPerSlot:
     """`SlotLayer`'s kept per-slot quantities, mixed into it: uses its slot arrays (`k`, `pos`) and `gather`."""
 
@@ -49,11 +57,8 @@ class KeptPerSlot:
         kept, fresh = self._remembered[name]
         stale = ~self.gather(fresh, index) & (self.gather(self.pos, index) >= 0)  # [B, H_kv, N]; empty: no value
         most = int(stale.sum(-1).max())
-        if most:
-            if most == 1:  # decoding: each head's new token
-                first = stale.to(torch.int8).argmax(-1, keepdim=True)
-            else:
-                first = torch.sort((~stale).to(torch.int8), dim=-1, stable=True).indices[..., :most]
+        if most:  # decoding: each head's new token alone
+            first = first_where(stale, most)
             slots, taken = index.gather(-1, first), stale.gather(-1, first)  # [B, H_kv, most] each head's stale first
             kept.index_copy_(0, slots[taken], compute(slots)[taken])
             fresh.index_fill_(0, slots[taken], True)

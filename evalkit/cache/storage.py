@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from evalkit.cache.frozen_slots import FrozenSlots
-from evalkit.cache.kept_per_slot import KeptPerSlot
+from evalkit.cache.kept_per_slot import KeptPerSlot, first_where
 
 
 @dataclass
@@ -178,11 +178,7 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
             free = self._real(index, self.gather(self.pos, index) < 0)
         # The i-th new token of a head takes its i-th free slot in fill order.
         m = int(n_new.max())
-        if m == 1:  # decoding: argmax returns the first free slot
-            order = free.to(torch.int8).argmax(-1, keepdim=True)
-        else:
-            order = torch.sort((~free).to(torch.int8), dim=-1, stable=True).indices[..., :m]
-        lowest_free = index.gather(2, order)  # [B, H, m]
+        lowest_free = index.gather(2, first_where(free, m))  # [B, H, m]
         if bool(valid.all()):  # no padding (decoding; equal-length rows): token i takes free slot i
             slots = lowest_free
             if self._write_after_packed(k, v, pos):
