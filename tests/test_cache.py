@@ -614,6 +614,45 @@ def test_a_filled_layer_keeps_what_its_source_kept_of_each_token(make):
     assert asked == [int(live.sum())]  # only the fresh computation above read a token
 
 
+@pytest.mark.parametrize("make", [lambda: paged(2, 3, 40, 4), lambda: dense(2, 3, 24)])
+def test_forks_that_store_the_same_prompt_compute_per_slot_values_once(make):
+    """`share_kept`: the layers of a shared prefill's forks that store its prompt in the same slots compute
+    `per_slot`'s values of it once, each fork's equal to a fresh computation. A fork written to before it first
+    asks (it holds a token of its own) and one that placed the prompt elsewhere compute their own."""
+    forks, asked = [], []
+
+    def of_slots(layer):
+        def compute(slots):
+            asked.append(int((layer.gather(layer.pos, slots) >= 0).sum()))  # tokens read, over every head
+            heads = torch.arange(1, slots.shape[1] + 1, dtype=torch.float64)[None, :, None]
+            return layer.gather(layer.v, slots).double().sum(-1) * heads
+        return compute
+
+    def fork(before=False, after=False):
+        layer = make()
+        if before:  # a token of its own first: the prompt lands in other slots
+            append(layer, [[500], [600]], tag=1)
+        append(layer, [list(range(20)), list(range(100, 120))], valid=[[True] * 20, [True] * 17 + [False] * 3])
+        layer.share_kept(forks)
+        if after:
+            append(layer, [[20], [120]], tag=1)
+        return layer
+
+    def ask(layer):
+        view = layer.read()
+        live = view.pos >= 0
+        assert torch.equal(layer.per_slot("probe", view.index, of_slots(layer))[live],
+                           of_slots(layer)(view.index)[live])
+
+    for layer in (fork(), fork()):
+        ask(layer)
+    assert asked == [111, 111, 111]  # 37 tokens × 3 heads: the first fork's, then the fresh computations
+    asked.clear()
+    for layer in (fork(after=True), fork(before=True)):
+        ask(layer)
+    assert asked == [117] * 4 and len(forks) == 2  # two placements of the prompt
+
+
 def add_random_stats(seed, layers, data):
     """Add a small integer (exact in float32) to every live token's statistic, on each layer and in `data`."""
     g = torch.Generator().manual_seed(seed)

@@ -113,6 +113,33 @@ def test_a_shared_prefill_generates_what_each_cells_own_prefill_generates(query_
     assert compared == len(policies) * len(BUDGETS) * 2 * len(batch)
 
 
+def test_question_unseen_forks_compute_criticalkvs_value_norms_of_the_prompt_once(monkeypatch):
+    """CriticalKV's cells of a question-unseen sweep store the whole shared prompt, each the same way per layout:
+    the first fork's layers compute its value norms, the later ones take a copy (`KeptPerSlot.share_kept`), and
+    every fork generates what its own prefill generates."""
+    from conftest import tiny_model
+    import evalkit.policies.critical as critical
+
+    model = tiny_model("llama")
+    batch = requests(torch.Generator().manual_seed(0))
+    policy = make_policy("critical_keydiff_head")
+    shared = share_prefill(model, batch, False, prefill_statistics(policy))
+    rows = []
+    norms = critical.projected_value_norms
+    monkeypatch.setattr(critical, "projected_value_norms", lambda values, o_proj: rows.append(values.shape[2]) or
+                        norms(values, o_proj))
+    for layout in ("paged", "dense"):
+        for budget in (0.25, 0.5):
+            settings = GenerationSettings(policy=policy, budget=budget, layout=layout, page_size=4, query_aware=False)
+            own = generate(model, None, batch, settings)
+            rows.clear()
+            forked = generate(model, None, batch, settings, shared=shared)
+            prompt_rows = [n for n in rows if n >= 52]
+            assert len(prompt_rows) == (model.config.num_hidden_layers if budget == 0.25 else 0), (layout, budget)
+            assert [(g.token_ids, g.kept_tokens, g.bytes_held) for g in own] == \
+                [(g.token_ids, g.kept_tokens, g.bytes_held) for g in forked], (layout, budget)
+
+
 def held_tokens(cache) -> list:
     """Per layer and (sequence, KV head): positions, statistics, K and V of the live slots in fill order."""
     held = []

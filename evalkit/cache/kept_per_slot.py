@@ -3,10 +3,12 @@ token: the keys' norms (`key_norms`: written with every key once asked for, so a
 and quantities that also depend on the slot's KV head (`per_slot`: computed lazily for the slots written
 since the last ask). `KeptPerSlot` holds these methods of `SlotLayer` (evalkit/cache/storage.py); every
 write of a slot calls `_kept_written`, every write through a packed layer's view `_kept_after_packed`.
+Forks of one shared prefill that store its whole prompt share what `per_slot` computes first (`share_kept`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -25,6 +27,23 @@ def first_where(mask: torch.Tensor, m: int) -> torch.Tensor:
     return torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices[..., :m]
 
 
+@dataclass
+class KeptOfPrompt:
+    """What a layer's `per_slot` computed first while it held a shared prefill's prompt and nothing else, for the
+    later forks whose layer holds the same tokens in the same slots (`KeptPerSlot.share_kept`)."""
+
+    index: torch.Tensor  # the layer's slot_index() then
+    pos: torch.Tensor  # [slots] its positions then
+    dtype: torch.dtype  # its K and V's
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # `per_slot`'s memo
+
+    def held_by(self, layer: "KeptPerSlot") -> bool:
+        """Whether `layer` holds exactly these tokens in these slots (every fork stores the same K, V)."""
+        index = layer.slot_index()
+        return self.dtype == layer.v.dtype and self.pos.shape == layer.pos.shape and \
+            self.index.shape == index.shape and torch.equal(self.pos, layer.pos) and torch.equal(self.index, index)
+
+
 class KeptPerSlot:
     """`SlotLayer`'s kept per-slot quantities, mixed into it: uses its slot arrays (`k`, `pos`) and `gather`."""
 
@@ -32,6 +51,7 @@ class KeptPerSlot:
         self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
         # name -> (each slot's value [slots], fresh [slots] bool: not written since): `per_slot`'s memo
         self._remembered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._of_prompt: KeptOfPrompt | None = None  # where a shared prefill's fork gives what it computes first
 
     def key_norms(self) -> torch.Tensor:
         """[slots] float64 L2 norm of each slot's key. Computed for every slot when first asked for, then
@@ -47,12 +67,19 @@ class KeptPerSlot:
         every decode step pays for the new tokens only. Unlike `key_norms` it may depend on the slot's KV
         head (its place in `slots`), and it is made on the host's schedule (a static step reads none).
         `compute` must give a slot the same value whatever slots it is asked with."""
-        if name not in self._remembered:
+        shared = self._of_prompt if name not in self._remembered else None
+        if shared is not None and not shared.held_by(self):  # written since the fork: its own tokens now
+            shared = self._of_prompt = None
+        if shared is not None and name in shared.kept:  # an earlier fork computed it
+            self._remembered[name] = tuple(memo.clone() for memo in shared.kept[name])
+        elif name not in self._remembered:
             rows = compute(index)
             kept = torch.zeros(self.pos.shape[0], dtype=rows.dtype, device=rows.device)
             kept.index_copy_(0, index.reshape(-1), rows.reshape(-1))  # padding repeats the sentinel: any value
             fresh = torch.zeros(self.pos.shape[0], dtype=torch.bool, device=rows.device)
             self._remembered[name] = (kept, fresh.index_fill_(0, index.reshape(-1), True))
+            if shared is not None:
+                shared.kept[name] = (kept.clone(), fresh.clone())
             return rows
         kept, fresh = self._remembered[name]
         stale = ~self.gather(fresh, index) & (self.gather(self.pos, index) >= 0)  # [B, H_kv, N]; empty: no value
@@ -63,6 +90,17 @@ class KeptPerSlot:
             kept.index_copy_(0, slots[taken], compute(slots)[taken])
             fresh.index_fill_(0, slots[taken], True)
         return self.gather(kept, index)
+
+    def share_kept(self, forks: list[KeptOfPrompt]) -> None:
+        """This layer just stored a shared prefill's prompt (`SharedPrefill.fork_into`), as did the other forks
+        (`forks`: one entry per way of placing it). While it holds nothing else, `per_slot` takes a copy of what
+        a fork that placed the prompt in the same slots computed, or computes it for the later ones: the
+        question-unseen cells of a sweep compute CriticalKV's value norms of the prompt once."""
+        same = next((fork for fork in forks if fork.held_by(self)), None)
+        if same is None:
+            same = KeptOfPrompt(self.slot_index().clone(), self.pos.clone(), self.v.dtype)
+            forks.append(same)
+        self._of_prompt = same
 
     def _kept_written(self, slots: torch.Tensor, k: torch.Tensor) -> None:
         """Keys k [n, D] were written to `slots` [n]: their norms kept, whatever else was kept of them stale."""

@@ -67,6 +67,8 @@ class SharedPrefill:
     # The prompts stored once per storage shape: (layout, page size, pool pages, tokens after the prefill)
     # -> (the cache, each layer's slots, {statistic key: the same storage with that statistic}).
     _stored: dict = field(default_factory=dict, repr=False)
+    # Per layer, what forks that store the whole prompt computed of it per slot (`KeptPerSlot.share_kept`).
+    _kept: dict = field(default_factory=dict, repr=False)
 
     def fork_into(self, state: LoopState) -> torch.Tensor:
         """Store the prefill in `state`'s empty cache with the statistic `state.collect`; the last logits."""
@@ -75,6 +77,7 @@ class SharedPrefill:
         for layer_idx, layer in enumerate(state.cache.layers):
             k, v, stats = self.record.layers[layer_idx]
             slots = layer.append(k, v, positions, valid)
+            layer.share_kept(self._kept.setdefault(layer_idx, []))
             if key is not None:
                 store_statistic(layer, slots, state.collect, stats[key], valid)
         self._advance(state, valid, key)
