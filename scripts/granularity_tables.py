@@ -19,7 +19,8 @@ below FULL_CACHE_FLOOR is marked (⚠): the model cannot do that task even witho
 policies score there says nothing about eviction.
 
 `--task` keeps the runs of the tasks named. `--auc` prints only `auc_table`: per model, length and query mode, a
-scorer a row, a granularity a column, the mean score over the budgets every granularity of the row ran.
+scorer a row, a granularity a column, the mean score over the budgets every granularity of the row ran; where
+runs are still going, the heading says how many samples they have finished (`samples=` is what they will hold).
 `--variants` prints only `variant_table`: each run with policy arguments against its scorer without them, at
 every granularity (one change at a time: `kvzip_head:layerwise=true` against pooled per-head tokens, and
 against per-head pages at the same per-layer budgets).
@@ -380,12 +381,14 @@ def auc_table(groups: list[SettingRuns]) -> str:
     same samples; the full cache's column is its score on those samples. Rows by their best AUC, best first; a
     row's best in bold."""
     sections: dict[tuple, dict[tuple, dict[str, dict[str, dict]]]] = {}
+    finished: dict[tuple, set[int]] = {}  # per section, how many samples its runs have finished
     for here in groups:
         if here.cannot_do_task or here.full is None:
             continue
         for run in here.cells:
             section = (not here.setting.query_aware, here.setting.model, here.setting.length,
                        _without_arguments(here.setting).others)
+            finished.setdefault(section, set()).update({len(run["records"]), len(here.full["records"])})
             row = (run["scorer"], json.dumps(run["config"]["policy_args"], sort_keys=True))
             cells = sections.setdefault(section, {}).setdefault(row, {}).setdefault(here.setting.task,
                                                                                       {"full": here.full})
@@ -393,6 +396,10 @@ def auc_table(groups: list[SettingRuns]) -> str:
     lines = []
     for (agnostic, model, length, others), rows in sorted(sections.items()):
         extra = ", ".join(f"{name}={value}" for name, value in others if name in ("samples", "seed"))
+        counts = finished[(agnostic, model, length, others)]
+        fewest, most = min(counts), max(counts)
+        if fewest < int(dict(others).get("samples", fewest)):  # a grid still running: say how far its runs are
+            extra += f"; running: {fewest}{f' to {most}' if most > fewest else ''} samples finished"
         lines += [f"**{model}, {length:,} tokens, {'query-agnostic' if agnostic else 'query-aware'}"
                   f"{f' ({extra})' if extra else ''}**: mean score over budgets (AUC / span, points)", "",
                   "| scorer | " + " | ".join(GRANULARITY_ORDER) + " | full cache | budgets | tasks |",

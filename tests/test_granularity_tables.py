@@ -445,7 +445,8 @@ def test_the_auc_table_compares_a_rows_granularities_on_shared_samples_and_budge
     text = script.auc_table(script.group(script.load([str(tmp_path)])))
 
     assert [line for line in text.splitlines() if line.startswith("**")] == [
-        "**smollm2-135m, 2,048 tokens, query-aware (samples=10, seed=0)**: mean score over budgets (AUC / span, points)"]
+        "**smollm2-135m, 2,048 tokens, query-aware (samples=10, seed=0; running: 6 to 10 samples finished)**: mean "
+        "score over budgets (AUC / span, points)"]  # its runs' samples=10 is what they will hold, not what they do
     rows = auc_rows(text)
     assert rows["`h2o`"] == ["**83**", "0", "–", "–", "100", "0.1 / 0.5", "niah_single_1"]
     assert list(rows) == ["`kvzip` layerwise=true", "`h2o`"]  # best first
