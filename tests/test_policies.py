@@ -6,7 +6,9 @@ before the definition fixes of issue 14 (a separate worktree) and failed there; 
 
 import dataclasses
 import functools
+import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -626,6 +628,41 @@ def test_a_score_input_gathers_only_what_the_scorer_reads():
         for field in wanted:  # read again: the same tensor, not made twice
             assert getattr(inp, field) is tensors[field]
         assert len(made) == len(wanted)
+
+
+@pytest.mark.model  # the default model on one held-out sample of the parity set
+def test_key_norms_tie_in_float32_across_a_cap_on_the_sample_where_kvpress_and_evalkit_differ(monkeypatch, capsys,
+                                                                                               tmp_path):
+    """docs/fidelity.md: key norm at keep 0.5 answers `niah_single_2-0075` (seed 1) differently in kvpress and
+    evalkit. Of that prompt's 90 selections (30 layers × 3 KV heads), exactly one has keys whose float32 norms
+    are equal across the cap: layer 0, KV head 1, four keys, 937 of 1,873 kept. kvpress's `topk` on float32
+    scores keeps some of them by its own order; their float64 norms, by which evalkit ranks, differ."""
+    import evalkit.policies.knorm as knorm
+    from helpers import evalkit
+
+    data = Path(__file__).resolve().parent.parent / "runs/parity/data/niah_single_2-L2048-n100-seed1.jsonl"
+    (line,) = [line for line in data.read_text().splitlines() if '"id": "niah_single_2-0075"' in line]
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text(line + "\n")
+    boundaries, score = [], knorm.KeyNorm.score
+
+    def recording(self, inp):
+        for b, h in itertools.product(range(inp.positions.shape[0]), range(inp.positions.shape[1])):
+            held, cap = inp.keys[b, h][inp.positions[b, h] >= 0], int(inp.caps[b])
+            f32, f64 = (torch.linalg.vector_norm(held.to(dtype), dim=-1).sort().values
+                        for dtype in (torch.float32, torch.float64))
+            boundaries.append((inp.layer, h, len(held), cap, bool(f32[cap - 1] == f32[cap]),
+                               bool(f64[cap - 1] == f64[cap]), int((f32 == f32[cap - 1]).sum())))
+        return score(self, inp)
+
+    monkeypatch.setattr(knorm.KeyNorm, "score", recording)
+    code, _, err = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{sample}", "--format", "kvpress",
+                           "--query-agnostic", "--no-decode-eviction", "--policy", "knorm_head", "--budget", "0.5",
+                           "--length", "2048", "--seed", "1", "--out", str(tmp_path / "runs"), "--wandb", "off",
+                           "--no-baseline")
+    assert code == 0, err
+    assert len(boundaries) == 90
+    assert [b for b in boundaries if b[4] or b[5]] == [(0, 1, 1873, 937, True, False, 4)]
 
 
 def test_lagkv_channel_std_is_torchs_std_bit_for_bit():
