@@ -4,9 +4,11 @@ over", issue #48), from run folders: several questions on one context (`ruler:mu
 (`ppl`).
 
     .venv/bin/python scripts/scenario_tables.py runs/study --task ruler:multiturn_niah [--plot docs/img/turns.png]
+    .venv/bin/python scripts/scenario_tables.py runs/study --task ppl --model gemma3-270m --plot docs/img/ppl.png
     .venv/bin/python scripts/scenario_tables.py runs/study --task long:recite_list --summary
 
-Runs are grouped by setting: model, length, query mode and the task's arguments. Per setting:
+Runs are grouped by setting: model, length, query mode and the task's arguments (`--model` keeps one model's).
+Per setting:
 - `--summary`: per scorer and budget, a column per granularity, the run's score as evalkit scores it (the mean
   over turns; lines in order; the perplexity over all scored tokens), the full cache's in the heading; for long
   answers two more tables: each run's answer tokens over the full cache's on the samples both finished (above 1:
@@ -43,14 +45,14 @@ from evalkit.uncertainty import compare, holm, score_interval, score_of
 GRANULARITIES = ("head", "head_page", "token", "page")
 
 
-def load(folders: list[str], task: str) -> list[dict]:
-    """Each run of `task` with a finished sample: its config and records."""
+def load(folders: list[str], task: str, model: str | None = None) -> list[dict]:
+    """Each run of `task` (and `model`, if given) with a finished sample: its config and records."""
     runs = []
     for folder in folders:
         for config_path in sorted(Path(folder).glob("*/config.json")):
             config = json.loads(config_path.read_text())["config"]
             predictions = config_path.parent / "predictions.jsonl"
-            if config["task"] != task or not predictions.exists():
+            if config["task"] != task or model not in (None, config["model"]) or not predictions.exists():
                 continue
             records = []
             for line in predictions.read_text().splitlines():
@@ -383,14 +385,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folders", nargs="+")
     parser.add_argument("--task", default="ruler:multiturn_niah")
+    parser.add_argument("--model", help="only this model's runs (e.g. smollm2-135m): the figures draw the first "
+                                        "setting, and the models sort by name")
     parser.add_argument("--plot", type=Path, help="write the figure of the first setting here")
     parser.add_argument("--summary", action="store_true", help="only the scores, scorer x granularity")
     parser.add_argument("--survival", type=Path, help="long answers: write the figure of samples still exact "
                                                       "after each unit here (the first setting)")
     args = parser.parse_args()
-    runs = load(args.folders, args.task)
+    runs = load(args.folders, args.task, args.model)
     if not runs:
-        sys.exit(f"error: no {args.task} runs under {', '.join(args.folders)}")
+        sys.exit(f"error: no {args.task} runs{f' of {args.model}' if args.model else ''} under "
+                 f"{', '.join(args.folders)}")
     print(summary(runs) if args.summary else tables(runs))
     if (args.plot or args.survival) and baseline_alone(by_setting(runs)[0][1]):
         sys.exit(f"error: only full-cache runs of {args.task}: no figure to draw")

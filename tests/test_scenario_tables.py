@@ -172,3 +172,17 @@ def test_a_model_whose_full_cache_ran_alone_is_one_line_and_never_the_figure(scr
     assert setting[0] == "smollm2-135m" and {run["config"]["policy"] for run in grid} == {"full", "snapkv_head"}
     script.plot_survival(runs, tmp_path / "survival.png")
     assert (tmp_path / "survival.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_model_keeps_one_models_runs_so_that_a_figure_can_draw_either(script, tmp_path):
+    task = "ruler:multiturn_niah"
+    for model, found in (("gemma3-270m", 1), ("smollm2-135m", 0)):  # Gemma's grid sorts first by name
+        for policy, budget in (("full", 1.0), ("h2o_head", 0.5)):
+            write_run(tmp_path, task, policy, budget, [conversation(i, [found] * 4) for i in range(3)], model=model)
+    assert script.by_setting(script.load([str(tmp_path)], task))[0][0][0] == "gemma3-270m"
+    runs = script.load([str(tmp_path)], task, model="smollm2-135m")
+    assert {run["config"]["model"] for run in runs} == {"smollm2-135m"}
+    assert "gemma3-270m" not in script.summary(runs)
+    figure = script.plot(runs, tmp_path / "turns.png")
+    assert figure._suptitle.get_text().startswith("smollm2-135m")
+    assert script.load([str(tmp_path)], task, model="llama") == []
