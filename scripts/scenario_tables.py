@@ -100,9 +100,11 @@ def cells_of(runs: list[dict]) -> dict[tuple, dict]:
 
 
 def at_every_granularity(cells: dict[tuple, dict]) -> list[str]:
-    """The scorers run at all four granularities."""
+    """The scorers run at every granularity the setting's grid ran: all four, or per head and per-head pages on a
+    model with one KV head (Gemma 3 270M, where a shared unit keeps what a per-head one keeps)."""
+    ran = {granularity for _, granularity, _ in cells if granularity}
     return sorted(s for s in {scorer for scorer, *_ in cells}
-                  if {g for scorer, g, _ in cells if scorer == s} >= set(GRANULARITIES))
+                  if {g for scorer, g, _ in cells if scorer == s} >= ran)
 
 
 def shared(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict]]:

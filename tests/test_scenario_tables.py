@@ -186,3 +186,16 @@ def test_model_keeps_one_models_runs_so_that_a_figure_can_draw_either(script, tm
     figure = script.plot(runs, tmp_path / "turns.png")
     assert figure._suptitle.get_text().startswith("smollm2-135m")
     assert script.load([str(tmp_path)], task, model="llama") == []
+
+
+def test_a_one_kv_head_models_turns_are_drawn_per_granularity_it_ran(script, tmp_path):
+    """Gemma 3 runs per head and per-head pages only (shared units keep what they keep): the figure's mean by turn
+    is over the scorers run at both, not over none (no scorer ran at all four)."""
+    task = "ruler:multiturn_niah"
+    write_run(tmp_path, task, "full", 1.0, [conversation(i, [1, 1]) for i in range(3)], model="gemma3-270m")
+    for policy, found in (("h2o_head", [0, 1]), ("h2o_head_page", [1, 1]), ("streaming_llm", [0, 0])):
+        write_run(tmp_path, task, policy, 0.5, [conversation(i, found) for i in range(3)], model="gemma3-270m")
+    figure = script.plot(script.load([str(tmp_path)], task), tmp_path / "turns.png")
+    lines = {line.get_label(): list(line.get_ydata()) for line in figure.axes[0].get_lines()}
+    assert lines == {"head": [0.0, 100.0], "head_page": [100.0, 100.0], "full cache": [100.0, 100.0]}
+    assert figure._suptitle.get_text().endswith("a line per granularity, the mean over h2o")
