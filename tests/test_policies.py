@@ -682,6 +682,27 @@ def test_lagkv_channel_std_is_torchs_std_bit_for_bit():
             assert torch.equal(channel_std(normalised), normalised.std(-1))
 
 
+@pytest.mark.parametrize("cap, tail_kept", [(192, False), (383, True)])
+def test_lagkv_under_a_cap_below_its_always_kept_tail_keeps_the_tails_earliest_tokens(cap, tail_kept):
+    """LagKV's last whole partition and the remainder after it all score 1: 248 tokens of a 1,916-token prompt
+    (4 sinks, lag 128). A cap under that (10 % of the prompt: 192) breaks the tie by position, the earlier kept,
+    so the prompt's last tokens go first: with the question seen (compressed with the prompt), the question
+    itself. A cap over it (20 %) keeps them all. Why `frontier_2k_aware.yaml`'s LagKV cells at 0.1 continue the
+    haystack instead of answering (docs/granularity.md)."""
+    N = 1916
+    policy = make_policy("lagkv_head")
+    inp = score_input(keys=torch.randn(1, 1, N, 64, generator=torch.Generator().manual_seed(0)))
+    inp.values = torch.randn(1, 1, N, 64, generator=torch.Generator().manual_seed(1))
+    scores = policy.score(inp)
+    assert int((scores == 1).sum()) == 4 + 128 + (N - 4) % 128 == 4 + 248  # the sinks and the tail
+    keep = policy.select(scores, inp.positions, torch.tensor([N]), torch.tensor([cap]), 16, None)
+    kept = inp.positions[keep]
+    assert len(kept) == cap
+    assert bool((kept >= N - 32).any()) == tail_kept  # the prompt's last 32 tokens: the question and its template
+    if not tail_kept:
+        assert int(kept.max()) == (N - 248) + (cap - 4) - 1 == 1855  # the tail's earliest, as many as the cap allows
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 17])
 def test_a_tokens_projected_value_norm_is_the_same_bits_whichever_tokens_it_is_computed_with(rows):
     """CriticalKV's ‖v W_o‖₁ of a few tokens (a decode step's new ones) equals, bit for bit, theirs computed with
