@@ -17,7 +17,8 @@ class LagKV(Policy):
     the standard deviation over channels, softmax-ed within the partition, is its key (value) score;
     the token's score is its rank within the partition by the mean of both, over `lag_size` (kvpress's
     LagKVPress without cross scoring). The last whole partition and the remainder after it score 1
-    (always kept first); a prompt shorter than sinks + 2 partitions scores by recency. Decode eviction
+    (kept first; a cap under them keeps their earliest, so the prompt's last tokens go first); a prompt
+    shorter than sinks + 2 partitions scores by recency. Decode eviction
     re-scores the tokens held, in position order. Equal means of these fractions (a token's over its heads, a
     page's over its pairs) tie exactly, as every tie, and go to the earlier position or page (`select`).
     """
