@@ -23,7 +23,9 @@ scorer a row, a granularity a column, the mean score over the budgets every gran
 runs are still going, the heading says how many samples they have finished (`samples=` is what they will hold).
 `--variants` prints only `variant_table`: each run with policy arguments against its scorer without them, at
 every granularity (one change at a time: `kvzip_head:layerwise=true` against pooled per-head tokens, and
-against per-head pages at the same per-layer budgets).
+against per-head pages at the same per-layer budgets). `--modes` prints only `mode_table`: each question-seen
+run against the same run with the question unseen (same model, length, task and every other field), Holm-adjusted
+over a setting's tests.
 
 Printed in order (`--summary-only`: the first two):
 - the summary: per task family (TASK_FAMILIES), task, length, model, query mode, scorer and budget that
@@ -439,6 +441,37 @@ def variant_table(groups: list[SettingRuns]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mode_table(groups: list[SettingRuns]) -> str:
+    """Seeing the question: each question-seen run against the same policy, granularity and budget with the
+    question unseen (the same model, length, task and every other field), on the samples both finished;
+    Holm-adjusted over a setting's tests."""
+    unseen = {here.setting._replace(query_aware=True): here for here in groups if not here.setting.query_aware}
+    lines = ["| setting | policy | budget | question seen | unseen | seen − unseen (p Holm, n) |",
+             "|---|---|---|---:|---:|---|"]
+    for here in groups:
+        other = unseen.get(here.setting) if here.setting.query_aware else None
+        if other is None:
+            continue
+        pairs = [(run, other.cell(run["scorer"], run["granularity"], run["config"]["budget"])) for run in
+                 sorted(here.cells, key=lambda r: (r["scorer"], _granularity_index(r["granularity"]),
+                                                   r["config"]["budget"]))]
+        pairs = [(seen, unseen_run) for seen, unseen_run in pairs if unseen_run is not None]
+        results = [_compare_shared(seen, unseen_run) for seen, unseen_run in pairs]
+        arguments = " ".join(f"{k}={v}" for k, v in
+                             sorted(json.loads(dict(here.setting.others).get("policy_args", "{}")).items()))
+        for (seen, unseen_run), result, p in zip(pairs, results, holm([r.p_value if r else 1.0 for r in results])):
+            test = Paired(result.difference, p, result.n) if result else "–"
+            lines.append(f"| {here.setting.task}, {here.setting.length:,}, {here.setting.model} | "
+                         f"`{seen['scorer']}` {seen['granularity']}{' ' + arguments if arguments else ''} | "
+                         f"{seen['config']['budget']} | {100 * seen['metrics']['score']:.0f} | "
+                         f"{100 * unseen_run['metrics']['score']:.0f} | {test} |")
+    return "\n".join(lines) + "\n"
+
+
+def _granularity_index(granularity: str) -> int:
+    return GRANULARITY_ORDER.index(granularity) if granularity in GRANULARITY_ORDER else len(GRANULARITY_ORDER)
+
+
 def _without_arguments(setting: Setting) -> Setting:
     return setting._replace(others=tuple(item for item in setting.others if item[0] != "policy_args"))
 
@@ -800,6 +833,8 @@ def main() -> None:
                         help="print only each policy-argument variant against its scorer without them")
     parser.add_argument("--auc", action="store_true",
                         help="print the table of mean scores over budgets alone (scorer x granularity, per mode)")
+    parser.add_argument("--modes", action="store_true",
+                        help="print only each question-seen run against the same run with the question unseen")
     parser.add_argument("--failures", action="store_true",
                         help="also print, per needle setting, how each cell's failed answers miss the value")
     parser.add_argument("--plots", metavar="DIR", type=Path,
@@ -808,8 +843,8 @@ def main() -> None:
     try:
         runs = [run for run in load(args.folders) if not args.task or run["config"]["task"] in args.task]
         groups = group(runs)
-        if args.auc or args.variants:
-            print(auc_table(groups) if args.auc else variant_table(groups))
+        if args.auc or args.variants or args.modes:
+            print(auc_table(groups) if args.auc else variant_table(groups) if args.variants else mode_table(groups))
             return
         print(summary(groups))
         print(full_cache_table(runs))

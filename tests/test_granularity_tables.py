@@ -516,3 +516,22 @@ def test_a_policy_argument_variant_is_a_dotted_line_of_its_scorers_panel(script,
     (path,) = script.plot_families(groups, tmp_path / "plots")
     height, width, _ = matplotlib.image.imread(path).shape
     assert height / width > 0.3  # six panels in two rows of four, not one row of six (about 0.16)
+
+
+def test_modes_sets_each_question_seen_run_against_the_same_run_with_the_question_unseen(script, tmp_path):
+    for query_aware in (True, False):
+        write_run(tmp_path, "ruler:niah_single_1", "full", 1.0, [1] * 10, query_aware=query_aware)
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head", 0.1, [1] * 10, query_aware=True)
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head", 0.1, [0] * 10, query_aware=False)
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head_page", 0.1, [1] * 5 + [0] * 5, query_aware=True)
+    # still going with the question unseen: compared on the 6 samples both finished
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head_page", 0.1, [1] * 6, query_aware=False, finished=False,
+              samples=10)
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_page", 0.1, [1] * 10, query_aware=True)  # never run unseen
+    write_run(tmp_path, "ruler:niah_single_1", "snapkv_head", 0.1, [1] * 10, query_aware=False, length=4096)
+    rows = summary_rows(script.mode_table(script.group(script.load([str(tmp_path)]))))
+
+    # 10 samples only the seen run passes: exact McNemar 2 x 0.5^10, Holm over the setting's two tests
+    assert [row[1:] for row in rows if row[0] != "setting"] == [
+        ["`snapkv` head", "0.1", "100", "0", f"**+100 (p = {2 * 2 * 0.5 ** 10:.2g}, n = 10)**"],
+        ["`snapkv` head_page", "0.1", "50", "100", "-17 (p = 1, n = 6)"]]
