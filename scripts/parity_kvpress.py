@@ -18,6 +18,11 @@ What it does (docs/fidelity.md has the method and the last measured table):
 4. Prints, per press: both scores, per-sample pass/fail agreement and seconds per sample for both
    tools, and writes the table (JSON with every sample's answers, and markdown) to --out.
 
+With --kvpress-rules evalkit, kvpress's ScorerPress keeps evalkit's count (ceil(n * keep) tokens a head, not
+int(n * (1 - ratio))) and breaks ties as evalkit does (the earlier position, not torch.topk's unspecified order):
+what differs then is the scoring itself. Its answers are cached apart, the evalkit runs are the same, and the
+table is written as parity-<data>-evalkit-rules.{json,md}.
+
 Resumable: kvpress answers are cached per (press, keep) in --out/kvpress/; an evalkit cell whose
 folder already holds a finished run (metrics.json) is not run again (--rerun-evalkit runs it anyway;
 `evalkit run` itself resumes a half-finished run).
@@ -127,6 +132,11 @@ PRESSES: dict[str, Press] = {p.name: p for p in (
           kvpress_ratio_kwarg="head_compression_ratio", ratio_policy_arg="head_compression_ratio", calibration=True),
 )}
 DEFAULT_PRESSES = tuple(PRESSES)
+# kvpress 0.5.5's presses whose `compress` is ScorerPress's (score, then topk): the ones --kvpress-rules evalkit can
+# change (the helper checks it again).
+SCORER_PRESSES = frozenset({"StreamingLLMPress", "KnormPress", "SnapKVPress", "TOVAPress", "ObservedAttentionPress",
+                            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress"})
+RULES = ("kvpress", "evalkit")
 DEFAULT_KEEP = (0.5, 0.2)
 TOOLS = ("kvpress", "evalkit")
 
@@ -211,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--evalkit", default=None, help="the evalkit command (default: beside this Python)")
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch threads for both tools (default 1: on a shared machine 1 thread is faster)")
+    parser.add_argument("--kvpress-rules", choices=RULES, default="kvpress",
+                        help="evalkit: kvpress's scorer presses keep evalkit's token count and tie order, so that "
+                             "only the scores differ (answers cached apart, table parity-<data>-evalkit-rules.*)")
     parser.add_argument("--rerun-evalkit", action="store_true",
                         help="run evalkit cells again even when a finished run is stored (the old one is "
                              "renamed <cell>.replaced-<time>)")
@@ -222,6 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.venv is not None and _inside(Path(args.venv), REPO):
         _Parser().error(f"--venv {args.venv} is inside the repository; kvpress stays out of it")
+    if args.kvpress_rules == "evalkit":
+        other = [name for name in args.presses if PRESSES[name].kvpress_class not in SCORER_PRESSES]
+        if other:
+            _Parser().error(f"--kvpress-rules evalkit changes kvpress's ScorerPress only, not {', '.join(other)}")
     return args
 
 
@@ -239,6 +256,7 @@ def _inside(path: Path, folder: Path) -> bool:
 class Cell:
     press: Press
     keep: float  # 1.0 for the full cache
+    rules: str = "kvpress"  # "evalkit": kvpress keeps evalkit's count and tie order (--kvpress-rules)
 
     @property
     def key(self) -> str:
@@ -250,7 +268,8 @@ class Cell:
 
     @property
     def kvpress_key(self) -> str:  # whose kvpress answers this row is compared with
-        return f"{self.press.kvpress_of or self.press.name}-keep{self.keep:g}"
+        rules = "-evalkit-rules" if self.rules == "evalkit" else ""
+        return f"{self.press.kvpress_of or self.press.name}-keep{self.keep:g}{rules}"
 
     @property
     def budget(self) -> str:
@@ -264,6 +283,8 @@ class Cell:
 
     @property
     def kvpress_label(self) -> str:
+        if self.rules == "evalkit":
+            return f"{self.press.kvpress_label}, evalkit's count and ties"
         if self.press.kvpress_ratio_kwarg == "compression_ratio":  # the keep column says it
             return self.press.kvpress_label
         return f"{self.press.kvpress_label[:-1]}, {self.press.kvpress_ratio_kwarg}={self.ratio:g})" \
@@ -275,11 +296,11 @@ class Cell:
         return " ".join([self.press.policy, *(f"--policy-arg {a}" for a in self.policy_args), *self.press.evalkit_args])
 
 
-def cells(presses: tuple[str, ...], keeps: tuple[float, ...]) -> list[Cell]:
+def cells(presses: tuple[str, ...], keeps: tuple[float, ...], rules: str = "kvpress") -> list[Cell]:
     """The table's rows in the order they run: the full cache, then every press at the first keep, ..."""
     chosen = [PRESSES[name] for name in presses]
     return ([Cell(p, 1.0) for p in chosen if not p.compressing]
-            + [Cell(p, keep) for keep in keeps for p in chosen if p.compressing])
+            + [Cell(p, keep, rules) for keep in keeps for p in chosen if p.compressing])
 
 
 # --- agreement ---------------------------------------------------------------------------------
@@ -450,9 +471,10 @@ def _digest(context_ids, question_ids) -> str:
 # Runs inside the kvpress virtualenv: python helper.py job.json. Answers go to one JSON file per
 # cell, rewritten after every sample, so an interrupted run resumes where it stopped.
 KVPRESS_HELPER = r'''
-import hashlib, json, os, sys, time
+import hashlib, json, math, os, sys, time
 import torch
 import kvpress
+from kvpress.presses.scorer_press import ScorerPress
 from transformers import pipeline
 from transformers.utils import logging as hf_logging
 
@@ -496,6 +518,19 @@ def substitute_calibration(texts):
         duo.duo_attention_on_the_fly = functools.partial(duo.duo_attention_on_the_fly, num_samples=len(texts))
     return duo
 
+KVPRESS_COMPRESS = ScorerPress.compress
+
+def evalkit_rules(keep):
+    # ScorerPress.compress keeping evalkit's count, ceil(n * keep) rounded as evalkit/policies/budget.py does, and
+    # its tie rule: equal scores keep the earlier position (a stable sort; topk leaves the order of ties unspecified).
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = math.ceil(round(keys.shape[2] * keep, 9))
+        indices = scores.sort(dim=-1, descending=True, stable=True).indices[..., :n_kept]
+        indices = indices.unsqueeze(-1).expand(-1, -1, -1, module.head_dim)
+        return keys.gather(2, indices).contiguous(), values.gather(2, indices).contiguous()
+    return compress
+
 def question(record):
     # evalkit's prompt is context + "\n" + question; kvpress joins context and question with nothing.
     return "\n" + record["question"]
@@ -530,6 +565,10 @@ for cell in job["cells"]:
         press = getattr(kvpress, cell["press"])(press=inner, **cell["kwargs"])
     elif cell["press"] is not None:
         press = getattr(kvpress, cell["press"])(**ratio, **cell["kwargs"])
+    rules_keep = cell.get("evalkit_rules_keep")
+    ScorerPress.compress = evalkit_rules(rules_keep) if rules_keep is not None else KVPRESS_COMPRESS
+    if rules_keep is not None and type(press).compress is not ScorerPress.compress:
+        sys.exit(f"{cell['press']} has a compress of its own: --kvpress-rules evalkit cannot change it")
     pipe = get_pipe(cell["eager"])
     if duo is not None:  # the head scores and streaming heads kvpress used, beside the answers
         scores = duo.duo_attention_on_the_fly(pipe.model)
@@ -598,6 +637,7 @@ def run_kvpress(venv: Path, model_dir: Path, data: Path, out: Path, todo: list[C
                           "kwargs": cell.press.kvpress_kwargs, "eager": cell.press.eager,
                           "inner": cell.press.kvpress_inner, "inner_kwargs": cell.press.kvpress_inner_kwargs,
                           "calibration": cell.press.calibration,
+                          "evalkit_rules_keep": cell.keep if cell.rules == "evalkit" else None,
                           "cache": str(kvpress_cache(out, stem, cell.kvpress_key))})
     tokens = out / "kvpress" / stem / "tokens.json"
     if tokens.exists() and all(Path(c["cache"]).exists() and _complete(Path(c["cache"]), data) for c in job_cells):
@@ -784,8 +824,13 @@ def git_commit() -> str:
     return commit + (" + uncommitted changes in evalkit/" if dirty else "")
 
 
+def table_stem(data: Path, rules: str) -> str:
+    return f"parity-{data.stem}" + ("-evalkit-rules" if rules == "evalkit" else "")
+
+
 def write_outputs(out: Path, data: Path, rows: list[dict], meta: dict) -> tuple[Path, Path]:
-    json_path, md_path = out / f"parity-{data.stem}.json", out / f"parity-{data.stem}.md"
+    stem = table_stem(data, meta["kvpress_rules"])
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
     json_path.write_text(json.dumps({**meta, "rows": rows}, indent=1, sort_keys=True) + "\n")
     lines = [f"# kvpress parity: {data.stem}", "",
              f"kvpress {meta['versions']['kvpress']} (transformers {meta['versions']['kvpress_transformers']}, "
@@ -835,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
 
     data = data_path(out, args.length, args.samples, args.seed)
     records = make_data(data, model_dir, args.length, args.samples, args.seed)
-    todo = cells(args.presses, args.keep)
+    todo = cells(args.presses, args.keep, args.kvpress_rules)
 
     ours = evalkit_tokens(records, model_dir)
     commit = git_commit()
@@ -886,7 +931,7 @@ def table(args, argv, out: Path, data: Path, records: list[dict], todo: list[Cel
     rows = collect(out, data, records, todo, skipped)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
             "commit": commit, "commit_at_end": git_commit(), "threads": args.threads, "samples": len(records), "length": args.length, "seed": args.seed,
-            "task": TASK, "data": str(data), "model_dir": str(model_dir), "tokens_identical": identical,
+            "kvpress_rules": args.kvpress_rules, "task": TASK, "data": str(data), "model_dir": str(model_dir), "tokens_identical": identical,
             "versions": {"kvpress": versions.get("kvpress"), "kvpress_transformers": versions.get("transformers"),
                          "kvpress_torch": versions.get("torch"), "evalkit_transformers": transformers.__version__,
                          "evalkit_torch": torch.__version__, "python": platform.python_version()},

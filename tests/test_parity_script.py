@@ -35,6 +35,8 @@ def test_defaults(parity):
     (["--samples", "0"], "integer >= 1"),
     (["--threads", "two"], "integer >= 1"),
     (["--venv", str(_PATH.parent / "kv")], "inside the repository"),
+    (["--kvpress-rules", "evalkit", "--presses", "lagkv,kvzip"], "changes kvpress's ScorerPress only, not kvzip"),
+    (["--kvpress-rules", "evalkit"], "not none, adakv_expected_attention, chunkkv_snapkv, kvzip, duo_attention"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(parity, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -149,3 +151,49 @@ def test_finished_run_knows_an_alias_by_its_canonical_name(parity, tmp_path):
     (run / "metrics.json").write_text("{}")
     assert parity.finished_run(tmp_path, parity.cells(("tova",), (0.5,))[0]).name == "run"
     assert parity.finished_run(tmp_path, parity.cells(("tova_head",), (0.5,))[0]) is None
+
+
+def test_evalkit_rules_cache_kvpress_apart_and_reuse_the_evalkit_runs(parity, tmp_path):
+    plain, ruled = (parity.cells(("lagkv",), (0.2,), rules)[0] for rules in parity.RULES)
+    assert ruled.kvpress_key == "lagkv-keep0.2-evalkit-rules" and plain.kvpress_key == "lagkv-keep0.2"
+    assert parity.evalkit_dir(tmp_path, "d", ruled) == parity.evalkit_dir(tmp_path, "d", plain)  # the same evalkit run
+    assert ruled.kvpress_label.endswith("evalkit's count and ties")
+    data = tmp_path / "niah.jsonl"
+    assert parity.table_stem(data, "evalkit") == "parity-niah-evalkit-rules" and parity.table_stem(data, "kvpress") == \
+        "parity-niah"
+    args = parity.parse_args(["--kvpress-rules", "evalkit", "--presses", "lagkv,keydiff,snapkv,critical_snapkv"])
+    assert args.kvpress_rules == "evalkit"
+
+
+def test_the_helpers_evalkit_rules_keep_evalkits_count_and_the_earlier_of_tied_tokens(parity, tmp_path, monkeypatch):
+    import json
+    import types
+
+    import torch
+
+    class ScorerPress:  # kvpress's, as far as the helper reads it
+        def compress(self, *args):
+            raise AssertionError("kvpress's own compress")
+
+    fakes = {"kvpress": types.ModuleType("kvpress"), "kvpress.presses": types.ModuleType("kvpress.presses"),
+             "kvpress.presses.scorer_press": types.ModuleType("kvpress.presses.scorer_press")}
+    fakes["kvpress.presses.scorer_press"].ScorerPress = ScorerPress
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    (tmp_path / "data.jsonl").write_text("")
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"data": str(tmp_path / "data.jsonl"), "model": "", "cells": [], "tokens": None}))
+    monkeypatch.setattr(sys, "argv", ["kvpress_helper.py", str(job)])
+    helper: dict = {}
+    exec(compile(parity.KVPRESS_HELPER, "kvpress_helper.py", "exec"), helper)  # no cells: defines, runs nothing
+
+    n = 15  # keep 0.2: evalkit keeps ceil(3.0) = 3 (kvpress: int(15 * (1 - 0.8)) = 2)
+    scores = torch.tensor([[[0.0, 5.0, 1.0, 5.0, 1.0, 1.0, 0.0, 1.0, 5.0, 1.0, 2.0, 2.0, 0.0, 2.0, 0.0]]])
+    keys = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1)
+    press = types.SimpleNamespace(score=lambda *args: scores)
+    module = types.SimpleNamespace(head_dim=1)
+    kept_keys, kept_values = helper["evalkit_rules"](0.2)(press, module, None, keys, keys + 100, None, {})
+    assert kept_keys.flatten().tolist() == [1.0, 3.0, 8.0]  # the three 5s, in position order
+    scores[0, 0, 8] = 0.0  # now two 5s, then three tied 2s (positions 10, 11, 13): the earliest of them
+    kept_keys, kept_values = helper["evalkit_rules"](0.2)(press, module, None, keys, keys + 100, None, {})
+    assert kept_keys.flatten().tolist() == [1.0, 3.0, 10.0] and kept_values.flatten().tolist() == [101.0, 103.0, 110.0]
