@@ -122,13 +122,18 @@ def _evalkit_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def _joint_attention(module, query, key, value, joint: JointForwardPlan, scaling, sliding_window):
-    """Each branch's rows through its own attention; outputs [B, T, H_q, D] back in row order."""
+    """Each branch's rows through its own attention; outputs [B, T, H_q, D] back in row order.
+
+    Outside the joint forward's torch function mode (`joint_decode.BranchwiseLinears`): a branch's attention
+    is its own (no row of it meets another branch's in a linear), and the mode's Python call on each of its
+    dozens of small operators a layer was about 0.15 of a 19-branch decode step (docs/benchmarks-history.md)."""
     outs = []
-    for branch, (rows, plan) in enumerate(joint.parts):
-        begun = time.perf_counter()
-        outs.append(_evalkit_attention(module, query[rows], key[rows], value[rows], None, scaling,
-                                       evalkit_plan=plan, sliding_window=sliding_window)[0])
-        joint.seconds[branch] += time.perf_counter() - begun
+    with torch._C.DisableTorchFunction():
+        for branch, (rows, plan) in enumerate(joint.parts):
+            begun = time.perf_counter()
+            outs.append(_evalkit_attention(module, query[rows], key[rows], value[rows], None, scaling,
+                                           evalkit_plan=plan, sliding_window=sliding_window)[0])
+            joint.seconds[branch] += time.perf_counter() - begun
     return torch.cat(outs)
 
 
