@@ -199,3 +199,34 @@ def test_a_joint_forward_touches_no_module_of_the_model(monkeypatch):
     for settings, cell in zip(cells, together):
         assert [g.token_ids for g in generate(model, None, batch, settings, shared=shared)] == \
             [g.token_ids for g in cell]
+
+
+def test_each_cells_attention_in_a_joint_forward_runs_outside_the_torch_function_mode(monkeypatch):
+    """The mode is there for the linears; a cell's attention (append, read, attention, statistic) is its own
+    computation, and the mode's Python call on each of its operators cost about a sixth of a decode step
+    (docs/benchmarks-history.md). The joint forward still gives each cell its own forward's logits."""
+    import evalkit.attention as attention
+
+    model = wide_model("llama")
+    batch = batch_of(1, torch.Generator().manual_seed(7))
+    cells = cells_of(query_aware=True)[2:5]
+    shared = shared_prefill(model, batch, cells, True)
+    modes_on = []
+    own_attention = attention._evalkit_attention
+
+    def recorded(*args, **kwargs):
+        if kwargs.get("evalkit_plan") is not None and not isinstance(kwargs["evalkit_plan"], attention.JointForwardPlan):
+            modes_on.append(torch._C._is_torch_function_enabled())
+        return own_attention(*args, **kwargs)
+
+    with evalkit_attention(model):
+        together = [start(model, None, batch, c, shared=shared) for c in cells]
+        alone = [start(model, None, batch, c, shared=shared) for c in cells]
+        tokens = [d.next_tokens() for d in together]
+        monkeypatch.setattr(attention, "_evalkit_attention", recorded)
+        joint, _ = forward_branches([d.state for d in together], tokens)
+        assert modes_on and not any(modes_on)  # every cell's attention in every layer, none inside the mode
+        monkeypatch.setattr(attention, "_evalkit_attention", own_attention)
+        for d, rows, logits in zip(alone, tokens, joint):
+            own, _ = forward(d.state, rows)
+            assert torch.equal(own, logits)
