@@ -47,6 +47,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import types
 from unittest import mock
 
 import pytest
@@ -1060,8 +1061,9 @@ def test_mutation_snapkv_window_off_by_one_is_caught(monkeypatch):
 
 def test_mutation_keydiff_anchor_from_raw_keys_is_caught(monkeypatch):
     """KeyDiff's anchor as the mean of the raw keys (not of the unit-normalised ones) must disagree."""
-    monkeypatch.setattr(evalkit.policies.keydiff.KeyDiff, "anchor", lambda self, keys, norms, live:
-                        (keys * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp(min=1))
+    functional = evalkit.policies.keydiff.F
+    monkeypatch.setattr(evalkit.policies.keydiff, "F", types.SimpleNamespace(
+        normalize=lambda x, p, dim: x, cosine_similarity=functional.cosine_similarity))
     _caught(monkeypatch, [("keydiff_head", g, {}, budget, env) for env in MUTATION_ENVS for g in ("head", "token")
                           for budget in (0.3, 0.6)])
 

@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from evalkit.policies.base import Policy, ScoreInput
 from evalkit.policies.names import register_presets
@@ -23,26 +24,9 @@ class KeyDiff(Policy):
     def score(self, inp: ScoreInput) -> torch.Tensor:
         live = (inp.positions >= 0)[..., None]  # [B, H_kv, N, 1]
         keys = inp.keys.float()
-        norms = torch.linalg.vector_norm(keys, dim=-1, keepdim=True)  # [B, H_kv, N, 1]
-        return -_cosine_to(keys, norms, self.anchor(keys, norms, live))
-
-    def anchor(self, keys: torch.Tensor, norms: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """[B, H_kv, 1, D] the mean of the head's live keys, each made unit length (F.normalize)."""
-        unit = keys / norms.clamp_min(_NORMALIZE_EPS)
-        return (unit * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp(min=1)
-
-
-# F.normalize's and F.cosine_similarity's floors on a norm.
-_NORMALIZE_EPS, _COSINE_EPS = 1e-12, 1e-8
-
-
-def _cosine_to(keys: torch.Tensor, norms: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    """F.cosine_similarity(keys, anchor, dim=-1) [B, H_kv, N], bit for bit on a CPU, with the keys' `norms` already
-    known and the anchor [B, H_kv, 1, D] normalised once: the function itself broadcasts the anchor to every key and
-    takes its norm N times, the larger part of a decode step's KeyDiff scoring
-    (tests/test_policies.py::test_keydiff_scores_are_cosine_similarity_bit_for_bit)."""
-    anchor_unit = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(_COSINE_EPS)
-    return ((keys / norms.clamp_min(_COSINE_EPS)) * anchor_unit).sum(-1)
+        unit = F.normalize(keys, p=2, dim=-1) * live
+        anchor = unit.sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp(min=1)  # [B, H_kv, 1, D]
+        return -F.cosine_similarity(keys, anchor, dim=-1)
 
 
 register_presets(KeyDiff, "keydiff")
