@@ -16,7 +16,8 @@ What it does (docs/fidelity.md has the method and the last measured table):
    file with the same model folder, greedy, for each press at each keep fraction
    (kvpress compression_ratio = 1 - keep, evalkit --budget keep).
 4. Prints, per press: both scores, per-sample pass/fail agreement and seconds per sample for both
-   tools, and writes the table (JSON with every sample's answers, and markdown) to --out.
+   tools, and writes the table (JSON with every sample's answers, and markdown) to --out: this invocation's
+   rows and every earlier invocation's complete rows on the same data (and --kvpress-rules).
 
 With --kvpress-rules evalkit, kvpress's ScorerPress keeps evalkit's count (ceil(n * keep) tokens a head, not
 int(n * (1 - ratio))) and breaks ties as evalkit does (the earlier position, not torch.topk's unspecified order):
@@ -36,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -785,6 +787,25 @@ def evalkit_results(folder: Path, cell: Cell) -> tuple[dict, dict, dict | None]:
 
 # --- the table ---------------------------------------------------------------------------------
 
+def table_cells(out: Path, data: Path, records: list[dict], todo: list[Cell], rules: str) -> list[Cell]:
+    """The table's rows: this invocation's cells and every earlier one complete on disk for the same data and rules
+    (kvpress answers for every sample and a finished evalkit run), so a narrower invocation keeps the others' rows.
+    Ordered by keep (descending), then as PRESSES lists the presses."""
+    folder = out / "kvpress" / data.stem
+    keeps = {c.keep for c in todo} | {float(m.group(1)) for f in folder.glob("*.json")
+                                      if (m := re.fullmatch(r".+-keep([0-9.]+)(?:-evalkit-rules)?\.json", f.name))}
+    ids = {r["id"] for r in records}
+
+    def complete(cell: Cell) -> bool:
+        path = kvpress_cache(out, data.stem, cell.kvpress_key)
+        return (path.exists() and ids <= set(json.loads(path.read_text()))
+                and finished_run(evalkit_dir(out, data.stem, cell), cell) is not None)
+
+    chosen = {c.key for c in todo}
+    return [c for c in cells(tuple(PRESSES), tuple(sorted(keeps, reverse=True)), rules)
+            if c.key in chosen or complete(c)]
+
+
 def collect(out: Path, data: Path, records: list[dict], todo: list[Cell], skipped: dict[str, str]) -> list[dict]:
     from evalkit.tasks.metrics import METRICS
 
@@ -928,7 +949,7 @@ def table(args, argv, out: Path, data: Path, records: list[dict], todo: list[Cel
         theirs = json.loads(tokens_file.read_text())
         differ = [i for i in ours if theirs.get(i) != ours[i]]
         identical = "yes" if not differ else f"NO ({len(differ)} samples differ, e.g. {differ[0]})"
-    rows = collect(out, data, records, todo, skipped)
+    rows = collect(out, data, records, table_cells(out, data, records, todo, args.kvpress_rules), skipped)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
             "commit": commit, "commit_at_end": git_commit(), "threads": args.threads, "samples": len(records), "length": args.length, "seed": args.seed,
             "kvpress_rules": args.kvpress_rules, "task": TASK, "data": str(data), "model_dir": str(model_dir), "tokens_identical": identical,

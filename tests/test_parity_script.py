@@ -197,3 +197,36 @@ def test_the_helpers_evalkit_rules_keep_evalkits_count_and_the_earlier_of_tied_t
     scores[0, 0, 8] = 0.0  # now two 5s, then three tied 2s (positions 10, 11, 13): the earliest of them
     kept_keys, kept_values = helper["evalkit_rules"](0.2)(press, module, None, keys, keys + 100, None, {})
     assert kept_keys.flatten().tolist() == [1.0, 3.0, 10.0] and kept_values.flatten().tolist() == [101.0, 103.0, 110.0]
+
+
+def test_the_table_keeps_earlier_invocations_complete_rows(parity, tmp_path):
+    # A narrower invocation (one press, one keep) rewrites the table: rows complete on disk from earlier ones stay,
+    # half-done or other-rules ones do not; rows come by keep, then in PRESSES' order.
+    import json
+
+    data = tmp_path / "data" / "d.jsonl"
+    records = [{"id": "a"}, {"id": "b"}]
+
+    def store(key, ids, press=None, keep=None):
+        cache = parity.kvpress_cache(tmp_path, data.stem, key)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({i: {"answer": "x", "seconds": 1.0} for i in ids}))
+        if press:  # and its finished evalkit run
+            cell = parity.cells((press,), (keep,))[0]
+            run = parity.evalkit_dir(tmp_path, data.stem, cell) / "run"
+            run.mkdir(parents=True)
+            (run / "config.json").write_text(json.dumps({"config": {"policy": cell.press.policy,
+                                                                   "budget": float(cell.budget)}}))
+            (run / "metrics.json").write_text("{}")
+
+    store("snapkv-keep0.5", "ab", "snapkv", 0.5)
+    store("lagkv-keep0.2", "ab", "lagkv", 0.2)
+    store("lagkv-keep0.2-evalkit-rules", "ab")
+    store("knorm-keep0.5", "a", "knorm", 0.5)  # kvpress stopped half-way
+    store("tova-keep0.5", "ab")  # no evalkit run
+    todo = parity.cells(("keydiff",), (0.2,))
+    assert [c.key for c in parity.table_cells(tmp_path, data, records, todo, "kvpress")] == \
+        ["snapkv-keep0.5", "keydiff-keep0.2", "lagkv-keep0.2"]
+    ruled = parity.cells(("keydiff",), (0.2,), "evalkit")
+    assert [(c.key, c.rules) for c in parity.table_cells(tmp_path, data, records, ruled, "evalkit")] == \
+        [("keydiff-keep0.2", "evalkit"), ("lagkv-keep0.2", "evalkit")]
