@@ -40,8 +40,10 @@ class LagKV(Policy):
         for b in range(B):
             for h in range(H):
                 held = (inp.positions[b, h] >= 0).nonzero()[:, 0]
-                order = held[torch.argsort(inp.positions[b, h, held])]  # slots in position order
-                scores[b, h, order] = self.sequence_scores(inp.keys[b, h, order].float(), inp.values[b, h, order].float())
+                order = held[torch.argsort(inp.positions[b, h].index_select(0, held))]  # slots in position order
+                # whole rows copied (index_select): decode eviction gathers every held token's K and V each step
+                scores[b, h, order] = self.sequence_scores(inp.keys[b, h].index_select(0, order).float(),
+                                                           inp.values[b, h].index_select(0, order).float())
         return scores
 
     def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
