@@ -682,6 +682,93 @@ def test_lagkv_channel_std_is_torchs_std_bit_for_bit():
             assert torch.equal(channel_std(normalised), normalised.std(-1))
 
 
+@pytest.mark.parametrize("evict", ["its own choice", "anywhere", "none", "rewrite"])
+def test_lagkv_decode_steps_reuse_unchanged_partitions_with_the_same_scores(evict, monkeypatch):
+    """Decode eviction re-scores LagKV every step. With the memo a layer's cache keeps (`ScoreInput.memo`), holding
+    the ranks of the partitions with the same positions and key and value bits as in the last call
+    (`LagKV._ranks`), LagKV scores 40 steps exactly as without it: two heads of 1,100 tokens (4 sinks, lag 128),
+    each step a new token written into a freed slot (slots not in position order) after the policy's own
+    eviction, a random one, or none (the head grows and its partitions move), or a held token given another key
+    or value at the same position (as another cache of the same prompt would hold: positions the same, bits
+    not). With its own choice (the lowest score, ties to the later position: the last judged partition's first)
+    a step works out the last two or three judged partitions of seven, where a call without it works out all."""
+    from evalkit.policies import lagkv
+
+    generator = torch.Generator().manual_seed(0)
+    kv_of = {}  # position -> (key, value): a token's K and V never change
+
+    def rows(positions, which):
+        for p in positions.flatten().tolist():
+            if p not in kv_of:
+                kv_of[p] = (torch.randn(64, generator=generator), torch.randn(64, generator=generator))
+        return torch.stack([kv_of[p][which] for p in positions.flatten().tolist()]).view(*positions.shape, 64)
+
+    H, N = 2, 1100
+    positions = torch.stack([torch.randperm(N, generator=generator) for _ in range(H)])[None]  # slots shuffled
+    policy, memo, worked_out, judged = make_policy("lagkv_head"), {}, [0], 0  # memo: what the layer's cache keeps
+    spread = lagkv.LagKV._spread
+    monkeypatch.setattr(lagkv.LagKV, "_spread", lambda self, parts: (
+        worked_out.__setitem__(0, worked_out[0] + len(parts) - 1) or spread(self, parts)))
+    for step in range(40):
+        inp = score_input(keys=rows(positions, 0), positions=positions.clone(), layer=3)
+        inp.values = rows(positions, 1)
+        counted = worked_out[0]
+        fresh = policy.score(inp)  # without the memo: every partition worked out, not counted
+        worked_out[0], inp.memo = counted, memo
+        scores = policy.score(inp)
+        assert torch.equal(scores, fresh)
+        judged += 2 * H * ((positions.shape[-1] - 4) // 128 - 1)  # keys' and values' partitions
+        newest = N + step
+        if evict == "none":
+            positions = torch.cat([positions, torch.full((1, H, 1), newest)], -1)
+            continue
+        if evict == "rewrite":
+            key, value = kv_of[int(torch.randint(N, (1,), generator=generator))]
+            (key if step % 2 else value).copy_(torch.randn(64, generator=generator))  # the key's bits, or the value's
+            continue
+        for h in range(H):
+            if evict == "its own choice":  # the lowest score, ties to the later position
+                slot = int(torch.where(scores[0, h] == scores[0, h].min(), positions[0, h], -1).argmax())
+            else:
+                slot = int(torch.randint(N, (1,), generator=generator))
+            positions[0, h, slot] = newest
+    if evict == "its own choice":
+        assert worked_out[0] < judged / 2
+
+
+def test_lagkv_under_decode_eviction_gives_the_same_tokens_with_the_cache_kept_memo(monkeypatch):
+    """The loop hands LagKV its layer's memo (`ScoreInput.memo`, `SlotLayer.scorer_memo`): a tiny Llama, a
+    120-token prompt, lag 8, budget 0.5 and 12 tokens decoded with eviction give the same tokens and keep the same
+    tokens in every layer and head with the memo as with a memo that never matches; the prompt's compression
+    leaves the memo empty (its partitions all move: keeping them would hold the prompt's K and V for nothing),
+    and the cache holds the ranks for both heads of every layer when decoding ends."""
+    from evalkit.policies import lagkv
+
+    model = tiny_model()
+    prompt = (torch.arange(120) * 37 % 125 + 3).tolist()
+
+    def run():
+        caches, remembered_after_prefill = [], []
+
+        def observe(event, cache):
+            caches.append(cache)
+            if event == "prefill":
+                remembered_after_prefill.extend(len(layer.scorer_memo) for layer in cache.layers)
+
+        policy = make_policy("lagkv_head", args={"lag_size": "8"})
+        out = generate(model, None, [Request(prompt, [], 12)], GenerationSettings(policy, budget=0.5), observe=observe)
+        positions = [layer.gather(layer.pos, layer.slot_index()).sort(-1).values for layer in caches[-1].layers]
+        assert remembered_after_prefill == [0, 0]  # the prompt's compression remembers nothing (all of it moved)
+        return out[0].token_ids, positions, caches[-1]
+
+    tokens, kept, cache = run()
+    assert len(tokens) > 5  # decoded with eviction (EOS may end it early)
+    assert [sorted(layer.scorer_memo) for layer in cache.layers] == [[("lagkv_ranks", 4, 8, (0, h)) for h in (0, 1)]] * 2
+    monkeypatch.setattr(lagkv, "_same_bits", lambda x, y: False)
+    never_tokens, never_kept, _ = run()
+    assert tokens == never_tokens and all(torch.equal(a, b) for a, b in zip(kept, never_kept))
+
+
 @pytest.mark.parametrize("cap, tail_kept", [(192, False), (383, True)])
 def test_lagkv_under_a_cap_below_its_always_kept_tail_keeps_the_tails_earliest_tokens(cap, tail_kept):
     """LagKV's last whole partition and the remainder after it all score 1: 248 tokens of a 1,916-token prompt

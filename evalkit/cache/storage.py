@@ -71,6 +71,7 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         # hole and the layer is packed again, so decode eviction never scans for free slots either.
         self.single_hole: tuple[torch.Tensor, torch.Tensor] | None = None
         self._init_kept()  # key norms and other per-slot quantities (evalkit/cache/kept_per_slot.py)
+        self.scorer_memo: dict = {}  # what a scorer keeps between its calls on this layer (`ScoreInput.memo`)
         # (slot index, `packed`, each head's first n slots of that index or None): `read(trim=True)`'s last answer
         self._trimmed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self.token_bytes = 2 * head_dim * self.k.element_size()  # K and V of one token of one head

@@ -1,5 +1,6 @@
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from evalkit.policies.arguments import PROMPT, arg
@@ -37,17 +38,27 @@ class LagKV(Policy):
     def score(self, inp: ScoreInput) -> torch.Tensor:
         B, H, N = inp.positions.shape
         scores = torch.zeros(B, H, N, dtype=torch.float32, device=inp.positions.device)
+        memo = inp.memo
+        if memo is not None and inp.caps is not None and \
+                bool(((inp.positions >= 0).sum((1, 2)) - inp.caps * H >= H * self.lag_size).any()):
+            memo.clear()  # a prompt's compression: its partitions all move, and the memo would hold its K and V
+            memo = None
         for b in range(B):
             for h in range(H):
                 held = (inp.positions[b, h] >= 0).nonzero()[:, 0]
-                order = held[torch.argsort(inp.positions[b, h].index_select(0, held))]  # slots in position order
+                positions, by_position = inp.positions[b, h].index_select(0, held).sort()
+                order = held[by_position]  # slots in position order
                 # whole rows copied (index_select): decode eviction gathers every held token's K and V each step
                 scores[b, h, order] = self.sequence_scores(inp.keys[b, h].index_select(0, order).float(),
-                                                           inp.values[b, h].index_select(0, order).float())
+                                                           inp.values[b, h].index_select(0, order).float(),
+                                                           positions, memo, (b, h))
         return scores
 
-    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """[n] scores of one head's tokens in position order; keys, values: [n, D]."""
+    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None,
+                        memo: dict | None = None, head: tuple | None = None) -> torch.Tensor:
+        """[n] scores of one head's tokens in position order; keys, values: [n, D]. With their `positions` [n], a
+        `memo` kept between calls (`ScoreInput.memo`) and the `head` (sequence, KV head), the partitions the last
+        call for that head worked out from the same tokens and bits keep its ranks (`_ranks`)."""
         n, sink, lag = keys.shape[0], self.sink_tokens, self.lag_size
         score = torch.ones(n, device=keys.device)
         if n < sink + 2 * lag:
@@ -56,10 +67,39 @@ class LagKV(Policy):
             return score
         end = sink + (n - sink) // lag * lag
         partitions = (end - sink) // lag
-        spread = (self._spread(keys[sink:end].view(partitions, lag, -1))
-                  + self._spread(values[sink:end].view(partitions, lag, -1))) / 2  # [partitions - 1, lag]
-        score[sink:end - lag] = (spread.argsort(-1).argsort(-1) / lag).flatten()
+        score[sink:end - lag] = self._ranks(keys[sink:end].view(partitions, lag, -1),
+                                            values[sink:end].view(partitions, lag, -1),
+                                            None if positions is None else positions[sink:end], memo, head).flatten()
         return score
+
+    def _ranks(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None, memo: dict | None,
+               head: tuple | None) -> torch.Tensor:
+        """[P - 1, lag] each judged partition's token ranks over lag; keys, values: [P, lag, D] the partitions,
+        positions: [P * lag] their tokens' positions (None, or no `memo`: nothing remembered).
+
+        Partition i's ranks read partitions i and i + 1 only, and decode eviction re-scores every step a head whose
+        partitions changed only from the evicted token's on: the leading partitions that hold the same positions
+        and the same key and value bits as in the last call for this `head` keep that call's ranks (a function of
+        those bits alone, computed partition by partition), so a step works out the changed tail only."""
+        remember = positions is not None and memo is not None
+        key = ("lagkv_ranks", self.sink_tokens, self.lag_size, head)
+        last = memo.get(key) if remember else None
+        lag, reused = keys.shape[1], 0
+        if last is not None:
+            common = min(len(positions), len(last[0]))
+            moved = (positions[:common] != last[0][:common]).nonzero()
+            same_partitions = (int(moved[0]) if len(moved) else common) // lag
+            reused = max(0, min(same_partitions, len(keys), len(last[1])) - 1)
+            if reused and not (_same_bits(keys[:reused + 1], last[1][:reused + 1])
+                               and _same_bits(values[:reused + 1], last[2][:reused + 1])):
+                reused = 0
+        spread = (self._spread(keys[reused:]) + self._spread(values[reused:])) / 2  # [P - 1 - reused, lag]
+        ranks = spread.argsort(-1).argsort(-1) / lag
+        if reused:
+            ranks = torch.cat([last[3][:reused], ranks])
+        if remember:
+            memo[key] = (positions, keys, values, ranks)
+        return ranks
 
     def select(self, scores, positions, seen, caps, page_size, recent, span=None) -> torch.Tensor:
         """The shared selection; where it averages scores (every granularity but head: a token's over its heads, a
@@ -85,6 +125,14 @@ class LagKV(Policy):
         reference, judged = parts[1:], parts[:-1]
         low, high = reference.amin(1, keepdim=True), reference.amax(1, keepdim=True)
         return channel_std((judged - low) / (high - low)).softmax(-1)
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether contiguous float32 x and y hold the same bits (-0.0 is not 0.0, NaN is NaN). On the CPU numpy's
+    comparison, a quarter of `torch.equal`'s time on a partition's keys here."""
+    if x.device.type == "cpu":
+        return np.array_equal(x.numpy().view(np.int32), y.numpy().view(np.int32))
+    return torch.equal(x.view(torch.int32), y.view(torch.int32))
 
 
 def channel_std(x: torch.Tensor) -> torch.Tensor:

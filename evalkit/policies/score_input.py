@@ -35,6 +35,9 @@ class ScoreInput:
     span: int | None = None  # a static decode step's bound on the positions (`loop.static_decode`); None: their max + 1
     # (name, of_values) -> [B, H_kv, N]: `of_values` of each token, kept per stored token (`SlotLayer.per_slot`)
     remembered: Callable[[str, Callable], torch.Tensor] | None = None
+    # what the scorer keeps from one call to the next on this layer's cache, and dies with it (None: keep nothing);
+    # a scorer must give what it would give without it (LagKV's ranks of unchanged partitions)
+    memo: dict | None = None
     sources: dict[str, Callable[[], object]] = field(default_factory=dict, repr=False)  # field -> its maker
 
     def __getattribute__(self, name: str):
