@@ -88,8 +88,8 @@ class LagKV(Policy):
         if last is not None:
             common = min(len(positions), len(last[0]))
             moved = (positions[:common] != last[0][:common]).nonzero()
-            same_partitions = (int(moved[0]) if len(moved) else common) // lag
-            reused = max(0, min(same_partitions, len(keys), len(last[1])) - 1)
+            same_partitions = (int(moved[0]) if len(moved) else common) // lag  # at most either call's partitions
+            reused = max(0, same_partitions - 1)
             if reused and not (_same_bits(keys[:reused + 1], last[1][:reused + 1])
                                and _same_bits(values[:reused + 1], last[2][:reused + 1])):
                 reused = 0
