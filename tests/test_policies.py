@@ -665,6 +665,28 @@ def test_key_norms_tie_in_float32_across_a_cap_on_the_sample_where_kvpress_and_e
     assert [b for b in boundaries if b[4] or b[5]] == [(0, 1, 1873, 937, True, False, 4)]
 
 
+def test_keydiff_scores_are_torchs_cosine_to_the_mean_unit_key_bit_for_bit():
+    """KeyDiff's score, worked out without broadcasting the anchor, equals minus `F.cosine_similarity` of each key
+    with the mean of the live keys' `F.normalize` in every bit: 300 random heads of 1 to 3,000 slots, head sizes
+    7 to 256, keys of scales 10^-12 to 10^2 (some norms under both functions' eps), zero rows, empty slots or none."""
+    import torch.nn.functional as F
+
+    policy = make_policy("keydiff_head")
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        batch, heads, slots = 1 + trial % 2, 1 + trial % 3, int(torch.randint(1, 3000, (), generator=generator))
+        keys = torch.randn(batch, heads, slots, (64, 7, 128, 256)[trial % 4], generator=generator)
+        keys *= 10.0 ** torch.randint(-12, 3, (batch, heads, slots, 1), generator=generator)
+        if trial % 5 == 0:
+            keys[..., ::3, :] = 0
+        positions = torch.randint(-1 if trial % 2 else 0, 5, (batch, heads, slots), generator=generator)
+        live = (positions >= 0)[..., None]
+        anchor = (F.normalize(keys, dim=-1) * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp(min=1)
+        expected = -F.cosine_similarity(keys, anchor, dim=-1)
+        scores = policy.score(ScoreInput(keys, positions, None, 0, 0))
+        assert torch.equal(scores.view(torch.int32), expected.view(torch.int32)), trial
+
+
 def test_lagkv_channel_std_is_torchs_std_bit_for_bit():
     """LagKV's spread over channels, two float64 sums, equals `torch.std` in every bit: 1.3 million rows of 64
     and 256 channels (the default model's and Gemma 3's head sizes), min-max normalised as LagKV normalises
