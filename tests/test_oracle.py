@@ -47,7 +47,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import types
 from unittest import mock
 
 import pytest
@@ -1061,9 +1060,14 @@ def test_mutation_snapkv_window_off_by_one_is_caught(monkeypatch):
 
 def test_mutation_keydiff_anchor_from_raw_keys_is_caught(monkeypatch):
     """KeyDiff's anchor as the mean of the raw keys (not of the unit-normalised ones) must disagree."""
-    functional = evalkit.policies.keydiff.F
-    monkeypatch.setattr(evalkit.policies.keydiff, "F", types.SimpleNamespace(
-        normalize=lambda x, p, dim: x, cosine_similarity=functional.cosine_similarity))
+
+    def raw_anchor(self, inp):
+        live = (inp.positions >= 0)[..., None]
+        keys = inp.keys.float()
+        anchor = (keys * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp(min=1)
+        return -torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)
+
+    monkeypatch.setattr(evalkit.policies.keydiff.KeyDiff, "score", raw_anchor)
     _caught(monkeypatch, [("keydiff_head", g, {}, budget, env) for env in MUTATION_ENVS for g in ("head", "token")
                           for budget in (0.3, 0.6)])
 
