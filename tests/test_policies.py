@@ -668,7 +668,8 @@ def test_key_norms_tie_in_float32_across_a_cap_on_the_sample_where_kvpress_and_e
 def test_keydiff_scores_are_torchs_cosine_to_the_mean_unit_key_bit_for_bit():
     """KeyDiff's score, worked out without broadcasting the anchor, equals minus `F.cosine_similarity` of each key
     with the mean of the live keys' `F.normalize` in every bit: 300 random heads of 1 to 3,000 slots, head sizes
-    7 to 256, keys of scales 10^-12 to 10^2 (some norms under both functions' eps), zero rows, empty slots or none."""
+    7 to 256, keys of scales 10^-12 to 10^2 (some norms under both functions' eps), zero rows, empty slots or none;
+    eagerly and as a static decode step computes it."""
     import torch.nn.functional as F
 
     policy = make_policy("keydiff_head")
@@ -683,8 +684,9 @@ def test_keydiff_scores_are_torchs_cosine_to_the_mean_unit_key_bit_for_bit():
         live = (positions >= 0)[..., None]
         anchor = (F.normalize(keys, dim=-1) * live).sum(2, keepdim=True) / live.sum(2, keepdim=True).clamp(min=1)
         expected = -F.cosine_similarity(keys, anchor, dim=-1)
-        scores = policy.score(ScoreInput(keys, positions, None, 0, 0))
-        assert torch.equal(scores.view(torch.int32), expected.view(torch.int32)), trial
+        for span in (None, 5):  # eager, and a static step's (no host read)
+            scores = policy.score(ScoreInput(keys, positions, None, 0, 0, span=span))
+            assert torch.equal(scores.view(torch.int32), expected.view(torch.int32)), (trial, span)
 
 
 def test_lagkv_channel_std_is_torchs_std_bit_for_bit():

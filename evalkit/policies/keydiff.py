@@ -26,12 +26,13 @@ class KeyDiff(Policy):
         anchor to every key (its norm and quotient worked out N times) and normalises the keys again."""
         live = inp.positions >= 0  # [B, H_kv, N]
         keys = inp.keys.float()
+        static = inp.span is not None  # a static decode step reads nothing back to the host
         norms = torch.linalg.vector_norm(keys, dim=-1, keepdim=True)  # [B, H_kv, N, 1]
         unit = keys / norms.clamp_min(_NORMALIZE_EPS)  # F.normalize's
-        held = unit if bool(live.all()) else unit * live[..., None]
+        held = unit * live[..., None] if static or not bool(live.all()) else unit
         anchor = held.sum(2, keepdim=True) / live.sum(2)[..., None, None].clamp(min=1)  # [B, H_kv, 1, D]
         # the cosine's own quotients: the keys' differ from `unit` only for norms under its eps
-        toward = keys / norms.clamp_min(_COSINE_EPS) if bool((norms < _COSINE_EPS).any()) else unit
+        toward = keys / norms.clamp_min(_COSINE_EPS) if static or bool((norms < _COSINE_EPS).any()) else unit
         return -(toward * (anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(_COSINE_EPS))
                  ).sum(-1)
 
