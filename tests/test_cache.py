@@ -127,27 +127,30 @@ def test_paged_append_evict_and_hole_reuse():
     assert layer.bytes_held().tolist() == [8 * TOKEN_BYTES]  # 4 pages of 2 slots
     assert layer.bytes_ideal().tolist() == [6 * TOKEN_BYTES]
 
-    # per-head eviction: head 0 drops position 1, head 1 drops 0 and 1 (its page 4 empties)
+    # per-head eviction: head 0 drops position 1, head 1 drops 0 and 1 (its page 4 empties); head 1's pages
+    # were one run, so page 5's slots slide down into page 4 and page 5 goes back: still a run from page 4
     evict_positions(layer, [[[1], [0, 1]]])
-    assert layer.tables == [[[0, 1], [5]]]
+    assert layer.tables == [[[0, 1], [4]]]
     assert layer.pool.num_free == 5
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 2, 3], [10, 11, 16, 17]]]  # h1 padded with the sentinel page 8
+    assert view.index.tolist() == [[[0, 1, 2, 3], [8, 9, 16, 17]]]  # h1 padded with the sentinel page 8
     assert view.pos.tolist() == [[[0, -1, 2, -1], [2, -1, -1, -1]]]
+    assert torch.equal(layer.k[8], k[0, 1, 2]) and torch.equal(layer.v[8], v[0, 1, 2])  # moved from slot 10
+    assert (layer.pos[10:12] == -1).all()  # the page given back holds nothing
     assert layer.live_counts().tolist() == [[2, 1]]
     assert layer.bytes_held().tolist() == [6 * TOKEN_BYTES]
     assert layer.bytes_ideal().tolist() == [3 * TOKEN_BYTES]
 
-    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 11, then takes the page after its last
-    # one, 6, free, rather than the lowest free page, 2: its pages stay one run
+    # head 0 reuses its holes (slots 1 then 3); head 1 fills slot 9, then takes the page after its last
+    # one, 5, free, rather than the lowest free page, 2: its pages stay one run
     k2, v2 = append(layer, [[3, 4]], tag=1)
-    assert layer.tables == [[[0, 1], [5, 6]]]
+    assert layer.tables == [[[0, 1], [4, 5]]]
     view = layer.read()
-    assert view.index.tolist() == [[[0, 1, 2, 3], [10, 11, 12, 13]]]
+    assert view.index.tolist() == [[[0, 1, 2, 3], [8, 9, 10, 11]]]
     assert view.pos.tolist() == [[[0, 3, 2, 4], [2, 3, 4, -1]]]
     assert torch.equal(layer.k[1], k2[0, 0, 0]) and torch.equal(layer.k[3], k2[0, 0, 1])
-    assert torch.equal(layer.k[11], k2[0, 1, 0]) and torch.equal(layer.v[12], v2[0, 1, 1])
-    assert torch.equal(layer.k[0], k[0, 0, 0]) and torch.equal(layer.k[10], k[0, 1, 2])  # untouched
+    assert torch.equal(layer.k[9], k2[0, 1, 0]) and torch.equal(layer.v[10], v2[0, 1, 1])
+    assert torch.equal(layer.k[0], k[0, 0, 0]) and torch.equal(layer.k[8], k[0, 1, 2])
     assert layer.pool.num_free == 4
 
 
@@ -156,7 +159,7 @@ def test_paged_compact_packs_each_head_and_moves_k_v_pos_stats():
     k, v = append(layer, [[0, 1, 2, 3, 4, 5]])
     assert layer.tables == [[[0, 1, 2], [4, 5, 6]]]  # head i from page i * (8 // 2)
     evict_positions(layer, [[[0, 2, 3, 5], [1, 2, 4]]])  # head 0 keeps 1, 4; head 1 keeps 0, 3, 5
-    assert layer.tables == [[[0, 2], [4, 5, 6]]]  # page 1 held positions 2, 3 only
+    assert layer.tables == [[[0, 1], [4, 5, 6]]]  # page 1 held positions 2, 3 only: page 2's slots slid into it
     view = layer.read()
     assert view.pos.tolist() == [[[-1, 1, 4, -1, -1, -1], [0, -1, -1, 3, -1, 5]]]
     stats = torch.where(view.pos >= 0, view.pos * 10 + torch.tensor([0, 1]).view(1, 2, 1), 0).float()
@@ -362,8 +365,52 @@ def test_paged_k_and_v_of_heads_in_runs_are_a_view_that_attends_like_the_gathere
         out, stats = attention_reference(q, q_pos, valid, view.k, view.v, view.pos, 0.3, None, collect)
         out_copy, stats_copy = attention_reference(q, q_pos, valid, gathered_k, gathered_v, view.pos, 0.3, None, collect)
         assert torch.equal(out, out_copy) and (collect is None or torch.equal(stats, stats_copy))
-    evict_positions(layer, [[[], [], [13, 14, 15, 16]]])  # head 2's second page empties: no longer a run
-    assert layer.read() is not None and layer._runs is None
+    # head 2's second page empties: its later pages slide down over it, in order, and it stays a run read in place
+    evict_positions(layer, [[[], [], [13, 14, 15, 16]]])
+    view = layer.read()
+    assert layer._runs == (0, 40) and view.k.data_ptr() == layer.k.data_ptr()
+    assert view.pos[0, 2][view.pos[0, 2] >= 0].tolist() == [0, 1, 2, 3, *range(17, 33)]  # in fill order
+    live = view.pos >= 0
+    assert torch.equal(view.k[live], layer.gather(layer.k, view.index)[live])
+
+
+def test_a_run_that_loses_a_page_slides_its_later_pages_down_with_what_is_kept_of_them():
+    """Decode eviction of a whole page mid-run (page granularity) keeps the head one run: its later pages' slots
+    move down over the lost page, in order, with their statistics, key norms and `per_slot` values (nothing
+    recomputed), and its last page goes back to the pool; a head that is not one run gives back the page it lost."""
+    from evalkit.cache.kept_per_slot import key_norms_of
+
+    layer = paged(1, 2, pages=16, block=4)
+    k, v = append(layer, [list(range(20))])  # 5 pages a head: 0-4 and 8-12
+    asked = []
+
+    def value_norms(slots):
+        asked.append(int((layer.gather(layer.pos, slots) >= 0).sum()))
+        return layer.gather(layer.v, slots).norm(dim=-1)
+
+    view = layer.read()
+    layer.add_stats(view.index, torch.where(view.pos >= 0, view.pos + 1, 0).float())
+    layer.per_slot("value norms", view.index, value_norms)
+    layer.key_norms()
+    evict_positions(layer, [[[4, 5, 6, 7, 13], []]])  # head 0's second page empties, and one token of its fourth
+    assert layer.tables == [[[0, 1, 2, 3], [8, 9, 10, 11, 12]]] and layer.pool.num_free == 7
+    view = layer.read()
+    assert layer._runs == (0, 32) and view.k.data_ptr() == layer.k.data_ptr()  # still read in place
+    held = [*range(4), *range(8, 13), *range(14, 20)]
+    assert view.pos[0, 0].tolist() == [*range(4), *range(8, 13), -1, *range(14, 20), *[-1] * 4]  # fill order kept
+    live = view.pos >= 0
+    assert torch.equal(view.k[0, 0][live[0, 0]], k[0, 0, held]) and torch.equal(view.v[0, 0][live[0, 0]], v[0, 0, held])
+    assert torch.equal(live_stats(view)[0, 0][live[0, 0]], torch.tensor(held) + 1.0)
+    assert (layer.pos[16:20] == -1).all() and (layer.stats[16:20] == 0).all()  # page 4, given back, is empty
+    assert torch.equal(view.key_norms[live], key_norms_of(view.k)[live])
+    asked.clear()
+    assert torch.equal(layer.per_slot("value norms", view.index, value_norms)[live], view.v.norm(dim=-1)[live])
+    assert asked == []  # moved with their tokens, not recomputed
+
+    layer.tables[0][1] = [8, 9, 10, 12, 11]  # not one run (as pages taken from the pool's lowest ids leave it)
+    layer._index = None
+    evict_positions(layer, [[[], [4, 5, 6, 7]]])  # its second page (9) empties: given back, nothing moves
+    assert layer.tables == [[[0, 1, 2, 3], [8, 10, 12, 11]]] and torch.equal(layer.k[40:44], k[0, 1, 8:12])
 
 
 def test_dense_fills_lowest_free_slot_and_compacts():
@@ -477,10 +524,18 @@ class PagedModel:
         self._release()
 
     def _release(self):
+        """Pages left with no live slot go back to the pool; a head whose pages were consecutive ids moves its
+        live pages' contents down over them, in order, and gives back its last pages instead."""
         for row in self.tables:
-            for table in row:
-                for p in [p for p in table if all(x is None for x in self.pages[p])]:
-                    table.remove(p)
+            for h, table in enumerate(row):
+                kept = [p for p in table if any(x is not None for x in self.pages[p])]
+                if table and table == list(range(table[0], table[0] + len(table))):
+                    contents = [self.pages[p] for p in kept]
+                    row[h], gone = table[:len(kept)], table[len(kept):]
+                    self.pages.update(zip(row[h], contents))
+                else:
+                    row[h], gone = kept, [p for p in table if p not in kept]
+                for p in gone:
                     self.free.append(p)
                     del self.pages[p]
         self.free.sort()

@@ -49,7 +49,7 @@ class PagedLayer(SlotLayer):
         """(first slot, slots between heads) when each head's pages are consecutive ids and the heads' first
         pages evenly spaced, in (sequence, head) order: then `gather_kv` is a strided view, no copy."""
         tables = [table for row in self.tables for table in row]
-        if not all(tables) or any(table[-1] - table[0] != len(table) - 1 or table != sorted(table) for table in tables):
+        if not all(map(_is_run, tables)):
             return None
         firsts = [table[0] for table in tables]
         step = firsts[1] - firsts[0] if len(firsts) > 1 else 0
@@ -147,11 +147,34 @@ class PagedLayer(SlotLayer):
         if not bool(dead.any()):
             return
         live = page_live.tolist()  # read per page below: a list, not a tensor op per page
+        slides = []  # (from page, to page)
         for b, h in dead.any(-1).nonzero().tolist():
-            gone = [p for p in self.tables[b][h] if not live[p]]
-            self.tables[b][h] = [p for p in self.tables[b][h] if live[p]]
+            table = self.tables[b][h]
+            kept = [p for p in table if live[p]]
+            if _is_run(table):  # its live pages slide down over the lost ones, in order: still a run, read as a view
+                slides += [(page, to) for page, to in zip(kept, table) if page != to]
+                self.tables[b][h], gone = table[:len(kept)], table[len(kept):]
+            else:
+                self.tables[b][h], gone = kept, [p for p in table if not live[p]]
             self.pool.free(gone)
+        if slides:
+            self._move_pages(slides)
         self._index = None
+
+    def _move_pages(self, moves: list[tuple[int, int]]) -> None:
+        """Each (from page, to page)'s slots, with what is kept of them, written to the other page; a page moved
+        from and not to is left empty. A head's tokens keep their order, so attention reads the same sequence."""
+        offsets = torch.arange(self.page_size, device=self.pos.device)
+        src, dst = (torch.tensor(pages, device=self.pos.device)[:, None] * self.page_size + offsets
+                    for pages in zip(*moves))
+        src, dst = src.flatten(), dst.flatten()
+        k, v, pos, stats = (rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats))
+        moved = self._kept_of(src)
+        vacated = src[~torch.isin(src, dst)]
+        self.pos.index_fill_(0, vacated, -1)
+        self.stats.index_fill_(0, vacated, 0.0)
+        self._write(dst, k, v, pos, stats)
+        self._kept_moved(dst, moved)
 
     def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
         index = self.slot_index()
@@ -211,3 +234,8 @@ class DenseLayer(SlotLayer):
 
     def held_slots(self) -> torch.Tensor:
         return torch.full((self.batch,), self.kv_heads * self.capacity, device=self.pos.device)
+
+
+def _is_run(table: list[int]) -> bool:
+    """Whether a head's pages are consecutive ids in order."""
+    return bool(table) and table[-1] - table[0] == len(table) - 1 and table == sorted(table)
