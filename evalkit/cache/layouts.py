@@ -168,13 +168,11 @@ class PagedLayer(SlotLayer):
         src, dst = (torch.tensor(pages, device=self.pos.device)[:, None] * self.page_size + offsets
                     for pages in zip(*moves))
         src, dst = src.flatten(), dst.flatten()
-        k, v, pos, stats = (rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats))
-        moved = self._kept_of(src)
+        lifted = self._lift(src)
         vacated = src[~torch.isin(src, dst)]
         self.pos.index_fill_(0, vacated, -1)
         self.stats.index_fill_(0, vacated, 0.0)
-        self._write(dst, k, v, pos, stats)
-        self._kept_moved(dst, moved)
+        self._set_down(dst, lifted)
 
     def page_table(self) -> tuple[torch.Tensor, int, torch.Tensor]:
         index = self.slot_index()

@@ -210,6 +210,16 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
             self.stats.index_copy_(0, slots, stats)
         self._kept_written(slots, k)
 
+    def _lift(self, src: torch.Tensor) -> tuple:
+        """All that slots `src` [n] hold (K, V, positions, statistics, what `per_slot` keeps), read before they move."""
+        return (*(rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats)), self._kept_of(src))
+
+    def _set_down(self, dst: torch.Tensor, lifted: tuple) -> None:
+        """`_lift`'s tokens written, in their order, to slots `dst` [n] of this layer."""
+        *rows, kept = lifted
+        self._write(dst, *rows)
+        self._kept_moved(dst, kept)
+
     def _write_after_packed(self, k, v, pos) -> bool:
         """While every head holds the same n tokens in its first n slots, store k, v [B, H, T, D] (positions
         [B, T]) as fill positions n .. n + T - 1 through a view of the storage: a prompt's K/V (a strided view
@@ -277,13 +287,11 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
             return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
-        k, v, pos, stats = (rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats))  # live, in fill order
-        moved = self._kept_of(src)
+        lifted = self._lift(src)  # live, in fill order
         self.pos[index[live]] = -1
         index = self._into_runs(kept)
-        dst = index[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]  # each head's first slots
-        self._write(dst, k, v, pos, stats)
-        self._kept_moved(dst, moved)
+        first_slots = torch.arange(index.shape[-1], device=index.device) < kept[..., None]
+        self._set_down(index[first_slots], lifted)  # each head's first slots
         self._release_empty()
 
     def fill(self, source: "SlotLayer", index: torch.Tensor, keep: torch.Tensor) -> None:
@@ -297,9 +305,7 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         free = self._real(own, self.gather(self.pos, own) < 0).sum(-1)
         self._reserve_apart((kept - free).clamp(min=0))
         dst = self.slot_index()
-        dst = dst[torch.arange(dst.shape[-1], device=dst.device) < kept[..., None]]
-        self._write(dst, *(rows.index_select(0, src) for rows in (source.k, source.v, source.pos, source.stats)))
-        self._kept_moved(dst, source._kept_of(src))
+        self._set_down(dst[torch.arange(dst.shape[-1], device=dst.device) < kept[..., None]], source._lift(src))
         self.packed, self.single_hole = kept, None
 
     def _reserve_apart(self, free_needed: torch.Tensor) -> None:
