@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from evalkit.policies import GRANULARITIES, PAGE_GRANULARITIES
 from evalkit.policies import tokens_for
+from evalkit.policies import adakv
 from evalkit.policies.adakv import select_adaptive
 from evalkit.policies.selection import Granularity, keep_mask
 
@@ -835,6 +836,37 @@ def test_adaptive_keeps_the_layer_budget_and_every_heads_floor(case, alpha):
             protected = sorted((p for p in live if case.is_sink(p))) + \
                 sorted((p for p in live if case.is_protected(b, p) and not case.is_sink(p)), reverse=True)
             assert set(protected[:k]) <= kept[b][h]  # its protected tokens, in the keep order, at most k
+
+@settings(max_examples=300, deadline=None)
+@given(cases(), st.sampled_from([0.0, 0.2, 0.5, 1.0]), st.integers(0, adakv._FEW + 2), st.booleans(), st.booleans())
+def test_adaptive_a_few_tokens_over_the_budget_leave_as_the_sorts_decide(case, alpha, over, no_recent, extremes):
+    """Ada-KV's decode path (`adakv._drop_the_last_few`: no layer row more than `_FEW` tokens over its budget,
+    each pool's last token found by reductions) keeps what the sorts of the whole layer keep: budgets that leave
+    each row 0 to `_FEW` + 2 tokens over, score levels that tie (3 levels), and with `extremes` zeros of either
+    sign and infinities among the scores. It declines only where the sorts must decide (too many over, protected
+    tokens beyond a head's cap, a NaN score)."""
+    if no_recent:
+        case.recent = [0] * case.B
+    case.budget = [max(1, -(-(sum(live_count(case, b, h) for h in range(case.H)) - over) // case.H))
+                   for b in range(case.B)]
+    scores, positions = case.tensors()
+    if extremes:  # the three levels become -0.0 or 0.0, -inf, +inf
+        signed_zero = torch.where(torch.rand(scores.shape, generator=torch.Generator().manual_seed(0)) < 0.5, -0.0, 0.0)
+        scores = torch.where(scores == 0, signed_zero, torch.where(scores == 1, -torch.inf, torch.inf))
+    seen, budget = case.args()
+    recent = torch.tensor(case.recent)
+    fast = adakv._drop_the_last_few(scores, positions, seen, budget, alpha, case.sinks, recent)
+    by_sorting = adakv._select_adaptive_by_sorting(scores, positions, seen, budget, alpha, case.sinks, recent)
+    protected_overflow = any(sum(case.is_protected(b, p) for p in case.held[b][h]) > case.budget[b]
+                             for b in range(case.B) for h in range(case.H))
+    over_budget = max(sum(live_count(case, b, h) for h in range(case.H)) - case.budget[b] * case.H
+                      for b in range(case.B))
+    assert (fast is None) == (over_budget > adakv._FEW or protected_overflow)
+    if fast is not None:
+        assert kept_positions(fast, positions) == kept_positions(by_sorting, positions)
+    nan_scores = scores.masked_fill(positions >= 0, torch.nan)
+    assert not (positions >= 0).any() or adakv._drop_the_last_few(nan_scores, positions, seen, budget, alpha, case.sinks, recent) is None
+
 
 # --- tokens_for ----------------------------------------------------------------------------
 

@@ -51,6 +51,48 @@ def select_adaptive(scores, positions, seen, caps, alpha_safeguard: float = 0.2,
     ceil(alpha_safeguard * cap); the rest of the layer's budget goes to the highest remaining
     scores of any head (ties: lower head, earlier position).
     """
+    keep = _drop_the_last_few(scores, positions, seen, caps, alpha_safeguard, sink_tokens, recent)
+    if keep is None:
+        keep = _select_adaptive_by_sorting(scores, positions, seen, caps, alpha_safeguard, sink_tokens, recent)
+    return keep
+
+
+# Up to this many tokens over a layer's budget (a decode step brings one per head), the pool's last tokens are
+# found by one reduction each instead of sorting the whole layer's tokens twice.
+_FEW = 8
+
+
+def _drop_the_last_few(scores, positions, seen, caps, alpha_safeguard, sink_tokens, recent) -> torch.Tensor | None:
+    """`select_adaptive` where no layer row holds more than `_FEW` tokens over its budget, every head's protected
+    tokens fit its cap and no live score is NaN, else None. Then each head's pool is its lowest-scored unprotected
+    tokens after its safeguard, and the tokens leaving are the pool's last in its order, taken one at a time:
+    the lowest score (ties: the later head, then the later position), from a head whose pool is not spent."""
+    H = positions.shape[1]
+    live = positions >= 0
+    recent = torch.zeros_like(seen) if recent is None else recent
+    protected = live & ((positions < sink_tokens) | (positions >= (seen - recent)[:, None, None]))
+    held, n_protected = live.sum(-1), protected.sum(-1)  # [B, H]
+    over = held.sum(-1) - caps * H  # [B] tokens that leave each row
+    score = scores.float()
+    most_over, protected_overflow, nan = torch.stack(
+        [over.max(), (n_protected > caps[:, None]).any(), score.isnan().logical_and(live).any()]).tolist()
+    if most_over > _FEW or protected_overflow or nan:
+        return None
+    floor = torch.ceil(caps.double() * alpha_safeguard).long()[:, None]
+    pool = held - torch.maximum(n_protected, torch.minimum(floor, caps[:, None]))  # [B, H] (none if <= 0)
+    ranked = live & ~protected
+    order = torch.arange(H, device=positions.device)[:, None] * (positions.amax() + 1) + positions  # the pool's ties
+    left = torch.zeros_like(live)
+    for step in range(most_over):
+        open_ = ranked & ~left & (left.sum(-1) < pool)[..., None] & (step < over)[:, None, None]
+        lowest = score.masked_fill(~open_, float("inf"))
+        lowest = open_ & (lowest == lowest.amin((1, 2), keepdim=True))
+        left |= lowest & (order == order.masked_fill(~lowest, -1).amax((1, 2), keepdim=True))
+    return live & ~left
+
+
+def _select_adaptive_by_sorting(scores, positions, seen, caps, alpha_safeguard, sink_tokens, recent) -> torch.Tensor:
+    """`select_adaptive` in position space, by the keep order's and the pool's sorts: any case."""
     pos_scores, present, sink, protected, col, live = position_space(scores, positions, seen, sink_tokens, recent)
     B, H, T = pos_scores.shape
     tier, secondary = keep_order(pos_scores, present, sink[:, None], protected[:, None], torch.arange(T, device=scores.device).expand(B, H, T))
