@@ -33,8 +33,8 @@ class KeyDiff(Policy):
         anchor = held.sum(2, keepdim=True) / live.sum(2)[..., None, None].clamp(min=1)  # [B, H_kv, 1, D]
         # the cosine's own quotients: the keys' differ from `unit` only for norms under its eps
         toward = keys / norms.clamp_min(_COSINE_EPS) if static or bool((norms < _COSINE_EPS).any()) else unit
-        return -(toward * (anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(_COSINE_EPS))
-                 ).sum(-1)
+        toward = toward.mul_(anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(_COSINE_EPS))
+        return -toward.sum(-1)  # in place: `toward` is this call's own, and one [B, H_kv, N, D] fewer to allocate
 
 
 _NORMALIZE_EPS, _COSINE_EPS = 1e-12, 1e-8  # F.normalize's and F.cosine_similarity's defaults
