@@ -413,6 +413,23 @@ def test_a_run_that_loses_a_page_slides_its_later_pages_down_with_what_is_kept_o
     assert layer.tables == [[[0, 1, 2, 3], [8, 10, 12, 11]]] and torch.equal(layer.k[40:44], k[0, 1, 8:12])
 
 
+def test_whole_pages_evicted_leave_the_layer_packed_so_appends_need_no_scan():
+    """Decode eviction of whole pages (page granularity) leaves each head's live tokens the first of its fill
+    order: the eviction finds it out once (`packed`), so the appends until the next eviction take their slot
+    without a scan (`_next_free`) and `read(trim=True)` hands out the live slots only; a head that lost tokens
+    from the middle of a page is not packed."""
+    layer = paged(1, 2, pages=16, block=4)
+    append(layer, [list(range(10))])  # 3 pages a head, the last one half full
+    evict_positions(layer, [[[4, 5, 6, 7], [0, 1, 2, 3]]])  # a whole page each
+    assert layer.packed.tolist() == [[6, 6]] and layer._next_free() is not None
+    append(layer, [[10]], tag=1)
+    view = layer.read(trim=True)
+    assert view.all_live and view.pos.tolist() == [[[0, 1, 2, 3, 8, 9, 10], [4, 5, 6, 7, 8, 9, 10]]]
+    evict_positions(layer, [[[1, 2], [5]]])  # two from the middle of head 0's first page: holes
+    assert layer.packed is None and layer.single_hole is None
+    assert layer.read().pos.tolist() == [[[0, -1, -1, 3, 8, 9, 10, -1], [4, -1, 6, 7, 8, 9, 10, -1]]]
+
+
 def test_dense_fills_lowest_free_slot_and_compacts():
     layer = dense(1, 2, capacity=4)
     k, v = append(layer, [[0, 1, 2]])

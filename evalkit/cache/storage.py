@@ -275,6 +275,17 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         self._release_empty(drop, index.shape[-1] if prefix and hole is not None else None)
         if hole is not None and self.slot_index() is fill_order:  # no page returned: fill order unchanged
             self.single_hole = hole
+        elif hole is None and not self.frozen:
+            self.packed = self._packed_count()
+
+    def _packed_count(self) -> torch.Tensor | None:
+        """[B, H_kv] live tokens per head where they are the first slots of each head's fill order (whole pages
+        evicted, a run's later ones slid down), else None: one scan here instead of one per append until the
+        next eviction."""
+        index = self.slot_index()
+        live = self.gather(self.pos, index) >= 0
+        kept = live.sum(-1)
+        return kept if bool((live.long().cumprod(-1).sum(-1) == kept).all()) else None
 
     def compact(self) -> None:
         """Pack each head's live tokens, in fill order, into its first slots (a paged head: one run of pages
