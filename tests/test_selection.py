@@ -908,6 +908,15 @@ def test_head_eviction_of_at_most_one_token_per_head_follows_the_rule_book(case,
     assert case.kept("head") == reference_keep(case, "head")
 
 
+@settings(max_examples=80, deadline=None)
+@given(cases(), st.integers(0, 1))
+def test_token_eviction_of_at_most_one_token_per_sequence_follows_the_rule_book(case, spare):
+    # Decode-time eviction at token granularity: no sequence holds more than one token over its budget (keep_mask
+    # drops its last token in the keep order by reductions, `_drop_one_token`, not by sorting).
+    case.budget = [max(1, live_count(case, b) - spare) for b in range(case.B)]
+    assert case.kept("token") == reference_keep(case, "token")
+
+
 @settings(max_examples=60, deadline=None)
 @given(cases(), st.integers(0, 1), st.integers(0, 5))
 @pytest.mark.parametrize("granularity", GRANULARITIES)

@@ -141,8 +141,8 @@ def keep_mask(
                                                                       span)
     B, H, T = pos_scores.shape
     position = torch.arange(T, device=scores.device).expand(B, H, T)
-    if granularity == Granularity.TOKEN and span is not None:
-        keep = present & _drop_one_token(pos_scores, present, seen, caps, sink, protected)
+    if granularity == Granularity.TOKEN and (span is not None or int((present.any(1).sum(-1) - caps).max()) <= 1):
+        keep = present & _drop_one_token(pos_scores, present, seen, caps, sink, protected)  # a decode step
     elif granularity == Granularity.HEAD:
         tier, secondary = keep_order(pos_scores, present, sink[:, None], protected[:, None], position)
         keep = present & (keep_rank(tier, secondary) < caps[:, None, None])
