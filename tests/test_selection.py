@@ -868,6 +868,54 @@ def test_adaptive_a_few_tokens_over_the_budget_leave_as_the_sorts_decide(case, a
     assert not (positions >= 0).any() or adakv._drop_the_last_few(nan_scores, positions, seen, budget, alpha, case.sinks, recent) is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(cases(max_heads=3), st.integers(0, 2), st.booleans(), st.booleans())
+def test_kvzip_pooled_selection_keeps_the_protected_and_the_highest_scores_of_any_layer(case, over, no_recent,
+                                                                                        extremes):
+    """KVzip's budget pooled over layers and heads (`select_across_layers`, which finds the pool's last tokens by a
+    k-th smallest score instead of sorting) against the rule written out: every protected token, then the highest
+    scores of any layer, head and slot, ties to the lower layer, head and slot. The case's rows are the layers of
+    one sequence; budgets from everything kept to a few tokens over (a decode step) to far over (a prompt's
+    compression); 3 score levels tie; with `extremes`, signed zeros and infinities."""
+    from evalkit.policies.kvzip import select_across_layers
+
+    if no_recent:
+        case.recent = [0] * case.B
+    scores, positions = case.tensors()  # [L, H, N]: the case's rows as layers
+    if extremes:
+        signed_zero = torch.where(torch.rand(scores.shape, generator=torch.Generator().manual_seed(0)) < 0.5, -0.0, 0.0)
+        scores = torch.where(scores == 0, signed_zero, torch.where(scores == 1, -torch.inf, torch.inf))
+    L, H, N = scores.shape
+    seen = max(case.seen)
+    live_total = int((positions >= 0).sum())
+    total_cap = max(L, -(-(live_total - [0, 1, live_total // 2][over]) // H))  # sum over layers of caps x H
+    caps = torch.tensor([total_cap // L + (layer < total_cap % L) for layer in range(L)])[:, None]  # [L, 1]
+    recent = torch.tensor([min(r, seen) for r in case.recent])[:, None]
+    keep = select_across_layers(scores[:, None], positions[:, None], torch.tensor([seen]), caps, case.sinks, recent)
+    protected, pool = [], []
+    for layer in range(L):
+        for h in range(H):
+            for slot in range(N):
+                p = int(positions[layer, h, slot])
+                if p < 0:
+                    continue
+                if p < case.sinks or p >= seen - int(recent[layer]):
+                    protected.append((layer, h, slot))
+                else:
+                    pool.append((-float(scores[layer, h, slot]), layer, h, slot))
+    left = max(0, int(caps.sum()) * H - len(protected))
+    expected = set(protected) | {unit[1:] for unit in sorted(pool)[:left]}
+    assert {tuple(x) for x in keep[:, 0].nonzero().tolist()} == expected
+
+
+def test_kvzip_pooled_selection_ranks_a_nan_score_last_as_the_sorts_do():
+    from evalkit.policies.kvzip import select_across_layers
+
+    scores = torch.tensor([1.0, torch.nan, 3.0, 2.0]).view(1, 1, 1, 4)  # [L, B, H, N]
+    keep = select_across_layers(scores, torch.arange(4).view(1, 1, 1, 4), t([4], torch.long), t([[2]], torch.long))
+    assert keep.flatten().tolist() == [False, False, True, True]
+
+
 # --- tokens_for ----------------------------------------------------------------------------
 
 def test_resolve_budget_fraction_rounds_up_and_clamps():

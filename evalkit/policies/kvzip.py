@@ -92,10 +92,29 @@ def select_across_layers(scores, positions, seen, caps, sink_tokens: int = 0, re
     protected = live & ((positions < sink_tokens) | (positions >= (seen - recent)[..., None, None]))
     left = (caps.sum(0) * H - protected.sum((0, 2, 3))).clamp(min=0)  # [B]
     pool = (live & ~protected).transpose(0, 1).reshape(B, -1)  # [B, L * H * N], layer-major
+    leaving = (pool.sum(-1) - left).clamp(min=0)  # [B] the pool's tokens past the budget
+    if not bool(scores.isnan().logical_and(live).any()):
+        dropped = _lowest(scores.transpose(0, 1).reshape(B, -1), pool, leaving)
+        return live & ~dropped.view(B, L, H, N).transpose(0, 1)
     ranked = (-scores.double()).transpose(0, 1).reshape(B, -1).masked_fill(~pool, 0.0)
     rank = keep_rank(torch.where(pool, RANKED, ABSENT), ranked)
     chosen = (pool & (rank < left[:, None])).view(B, L, H, N).transpose(0, 1)
     return protected | chosen
+
+
+def _lowest(scores: torch.Tensor, pool: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[B, M] bool: each row's `count[b]` tokens of `pool` ranked last by (score descending, index ascending), the
+    sorts' order without sorting: below the count-th lowest score, and of the tokens at it the highest indices.
+    scores: [B, M] float, no NaN in the pool."""
+    dropped = torch.zeros_like(pool)
+    for b, k in enumerate(count.tolist()):
+        if k:
+            row = scores[b].masked_fill(~pool[b], float("inf"))
+            threshold = row.kthvalue(k).values
+            below, at = pool[b] & (row < threshold), pool[b] & (row == threshold)
+            from_end = at.flip(0).cumsum(0).flip(0)  # tokens at the threshold from each index on
+            dropped[b] = below | (at & (from_end <= k - below.sum()))
+    return dropped
 
 
 register_presets(KVzip, "kvzip")
