@@ -6,8 +6,11 @@ before the definition fixes of issue 14 (a separate worktree) and failed there; 
 
 import dataclasses
 import functools
-import itertools
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -630,37 +633,57 @@ def test_a_score_input_gathers_only_what_the_scorer_reads():
         assert len(made) == len(wanted)
 
 
+# `python THIS OUT evalkit-args...`: the run, recording for each of KeyNorm's selections (layer, KV head, keys held,
+# cap, float32 norms tie across the cap, float64 norms tie across it, float32 norms equal to the cap's) into OUT.
+# A process of its own, so that MKL's kernels are chosen before it loads.
+_KEY_NORM_BOUNDARIES = """
+import itertools, json, sys
+import torch
+import evalkit.policies.knorm as knorm
+from evalkit.cli import main
+
+boundaries, score = [], knorm.KeyNorm.score
+
+def recording(self, inp):
+    for b, h in itertools.product(range(inp.positions.shape[0]), range(inp.positions.shape[1])):
+        held, cap = inp.keys[b, h][inp.positions[b, h] >= 0], int(inp.caps[b])
+        f32, f64 = (torch.linalg.vector_norm(held.to(dtype), dim=-1).sort().values
+                    for dtype in (torch.float32, torch.float64))
+        boundaries.append((inp.layer, h, len(held), cap, bool(f32[cap - 1] == f32[cap]),
+                           bool(f64[cap - 1] == f64[cap]), int((f32 == f32[cap - 1]).sum())))
+    return score(self, inp)
+
+knorm.KeyNorm.score = recording
+out, sys.argv = sys.argv[1], ["evalkit", *sys.argv[2:]]
+try:
+    main()
+finally:
+    with open(out, "w") as f:
+        json.dump(boundaries, f)
+"""
+
+
 @pytest.mark.model  # the default model on one held-out sample of the parity set
-def test_key_norms_tie_in_float32_across_a_cap_on_the_sample_where_kvpress_and_evalkit_differ(monkeypatch, capsys,
-                                                                                               tmp_path):
+def test_key_norms_tie_in_float32_across_a_cap_on_the_sample_where_kvpress_and_evalkit_differ(tmp_path):
     """docs/fidelity.md: key norm at keep 0.5 answers `niah_single_2-0075` (seed 1) differently in kvpress and
     evalkit. Of that prompt's 90 selections (30 layers × 3 KV heads), exactly one has keys whose float32 norms
     are equal across the cap: layer 0, KV head 1, four keys, 937 of 1,873 kept. kvpress's `topk` on float32
-    scores keeps some of them by its own order; their float64 norms, by which evalkit ranks, differ."""
-    import evalkit.policies.knorm as knorm
-    from helpers import evalkit
-
-    data = Path(__file__).resolve().parent.parent / "runs/parity/data/niah_single_2-L2048-n100-seed1.jsonl"
+    scores keeps some of them by its own order; their float64 norms, by which evalkit ranks, differ. The keys'
+    last bits are those of MKL's AVX2 kernels, which the parity set was measured with: on a CPU with AVX-512 MKL
+    takes other kernels, and there no float32 norms tie; the run pins them (`MKL_ENABLE_INSTRUCTIONS=AVX2`)."""
+    repo = Path(__file__).resolve().parent.parent
+    data = repo / "runs/parity/data/niah_single_2-L2048-n100-seed1.jsonl"
     (line,) = [line for line in data.read_text().splitlines() if '"id": "niah_single_2-0075"' in line]
-    sample = tmp_path / "sample.jsonl"
+    sample, driver, out = tmp_path / "sample.jsonl", tmp_path / "record.py", tmp_path / "boundaries.json"
     sample.write_text(line + "\n")
-    boundaries, score = [], knorm.KeyNorm.score
-
-    def recording(self, inp):
-        for b, h in itertools.product(range(inp.positions.shape[0]), range(inp.positions.shape[1])):
-            held, cap = inp.keys[b, h][inp.positions[b, h] >= 0], int(inp.caps[b])
-            f32, f64 = (torch.linalg.vector_norm(held.to(dtype), dim=-1).sort().values
-                        for dtype in (torch.float32, torch.float64))
-            boundaries.append((inp.layer, h, len(held), cap, bool(f32[cap - 1] == f32[cap]),
-                               bool(f64[cap - 1] == f64[cap]), int((f32 == f32[cap - 1]).sum())))
-        return score(self, inp)
-
-    monkeypatch.setattr(knorm.KeyNorm, "score", recording)
-    code, _, err = evalkit(monkeypatch, capsys, "run", "--task", f"jsonl:{sample}", "--format", "kvpress",
-                           "--query-agnostic", "--no-decode-eviction", "--policy", "knorm_head", "--budget", "0.5",
-                           "--length", "2048", "--seed", "1", "--out", str(tmp_path / "runs"), "--wandb", "off",
-                           "--no-baseline")
-    assert code == 0, err
+    driver.write_text(_KEY_NORM_BOUNDARIES)
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    done = subprocess.run([sys.executable, str(driver), str(out), "run", "--task", f"jsonl:{sample}", "--format",
+                           "kvpress", "--query-agnostic", "--no-decode-eviction", "--policy", "knorm_head",
+                           "--budget", "0.5", "--length", "2048", "--seed", "1", "--out", str(tmp_path / "runs"),
+                           "--wandb", "off", "--no-baseline"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    boundaries = [tuple(b) for b in json.loads(out.read_text())]
     assert len(boundaries) == 90
     assert [b for b in boundaries if b[4] or b[5]] == [(0, 1, 1873, 937, True, False, 4)]
 
