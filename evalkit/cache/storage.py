@@ -285,7 +285,7 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         index = self.slot_index()
         live = self.gather(self.pos, index) >= 0
         kept = live.sum(-1)
-        return kept if bool((live.long().cumprod(-1).sum(-1) == kept).all()) else None
+        return kept if _leading(live, kept) else None
 
     def compact(self) -> None:
         """Pack each head's live tokens, in fill order, into its first slots (a paged head: one run of pages
@@ -294,7 +294,7 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         live = self.pos[index] >= 0
         kept = live.sum(-1)  # [B, H]
         self.packed, self.single_hole = kept, None
-        if bool((live.long().cumprod(-1).sum(-1) == kept).all()) and self._in_runs(kept):
+        if _leading(live, kept) and self._in_runs(kept):
             return  # already packed (nothing evicted, or whole pages only): no copy
         order = torch.sort((~live).to(torch.int8), dim=-1, stable=True).indices
         src = index.gather(2, order)[torch.arange(index.shape[-1], device=index.device) < kept[..., None]]
@@ -340,3 +340,8 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
     def bytes_ideal(self) -> torch.Tensor:
         """[B] KV bytes of the tokens each sequence really keeps."""
         return self.live_counts().sum(-1) * self.token_bytes
+
+
+def _leading(live: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Whether each head's live slots (`live` [B, H_kv, N], in fill order) are its first `kept` [B, H_kv] ones."""
+    return bool((live.long().cumprod(-1).sum(-1) == kept).all())
