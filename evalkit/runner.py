@@ -15,6 +15,7 @@ the run folder when the run finishes.
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import time
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from evalkit.errors import EvalkitError
 from evalkit.evaluations import evaluation_for
 from evalkit.loop import GenerationSettings
 from evalkit.models import load_model
-from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions
+from evalkit.results import RunDir, check_writable_folder, complete_runs, package_versions, read_json
 from evalkit.tasks.ppl import Perplexity
 
 _PACKAGES = ("evalkit", "torch", "transformers", "triton", "datasets", "wandb")
@@ -133,6 +134,7 @@ class _RunInProgress:
     settings: GenerationSettings
     provenance: dict
     records: list[dict]
+    noted: bool = False  # this process's machine is in config.json
 
     @property
     def done(self) -> set:
@@ -214,6 +216,9 @@ def _run_locked(pending: list[tuple[ResolvedRun, RunDir]], mode: str, mirror: Mi
                         # Created with the first finished sample: input refused by the first batch
                         # (an exhausted page pool, say) leaves no run folder behind.
                         ongoing.run_dir.start(ongoing.provenance)
+                    elif not ongoing.noted:
+                        _note_the_machine(ongoing.run_dir, ongoing.provenance, len(ongoing.records))
+                    ongoing.noted = True
                     ongoing.run_dir.append(record)
                     ongoing.records.append(record)
                 progress.advance(bar, len(batch))
@@ -253,10 +258,31 @@ class WritesArtifacts(Protocol):
     def write_artifacts(self, records: list[dict], folder: Path, config: dict) -> list[Path]: ...
 
 
+def machine(model) -> dict:
+    """What decides the last bits of the model's arithmetic besides the code: the same run on another CPU
+    (AVX-512 rather than AVX2 kernels picked by MKL and torch) or another thread count can differ in the last
+    bits of a key, enough to flip a tie between two tokens' scores."""
+    device = next(model.parameters()).device
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl_instructions": os.environ.get("MKL_ENABLE_INSTRUCTIONS"), "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type}
+
+
 def _provenance(config: RunConfig, policy, model) -> dict:
     return {"config": config.to_dict(), "run_id": config.run_id(), "policy": repr(policy),
             "model_class": type(model).__name__, "versions": package_versions(_PACKAGES), "python": platform.python_version(),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "machine": machine(model), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _note_the_machine(run_dir: RunDir, provenance: dict, resumed_at: int) -> None:
+    """A run resumed on another machine says so in its config.json: from which sample on (`later_machines`),
+    so a sample's last bits can be traced to the kernels that computed it."""
+    stored = read_json(run_dir.config_path)
+    latest = (stored.get("later_machines") or [stored])[-1].get("machine")
+    if latest != provenance["machine"]:
+        stored.setdefault("later_machines", []).append(
+            {"from_sample": resumed_at, "machine": provenance["machine"], "created": provenance["created"]})
+        run_dir.start(stored)
 
 
 def find_baseline(config: RunConfig, stored_runs: list[tuple[dict, dict]] | None = None) -> dict | None:

@@ -337,6 +337,44 @@ def test_resume_drops_repeated_lines_and_says_so(tiny_model_dir, tmp_path, monke
         {k: metrics[k] for k in ("samples", "score", "kept_tokens")}
 
 
+@pytest.mark.model  # tiny_model_dir: the default model's tokenizer
+def test_a_run_resumed_on_another_machine_says_from_which_sample(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import torch
+
+    args = run_args(tiny_model_dir, tmp_path / "runs", "--wandb", "off")
+    assert evalkit(monkeypatch, capsys, *args)[0] == 0
+    folder = the_run(tmp_path / "runs")
+    here = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkl_instructions": None,
+            "threads": torch.get_num_threads(), "device": "cpu"}
+    stored = json.loads((folder / "config.json").read_text())
+    assert stored["machine"] == here and "later_machines" not in stored
+
+    def interrupt_after(samples: int, machine: dict | None) -> None:
+        (folder / "metrics.json").unlink()
+        (folder / "predictions.jsonl").write_text("".join(line + "\n" for line in lines(folder)[:samples]))
+        config = json.loads((folder / "config.json").read_text())
+        if machine is not None:
+            config["machine"] = machine
+        (folder / "config.json").write_text(json.dumps(config))
+
+    interrupt_after(1, {**here, "cpu_capability": "AVX2"})  # its first sample came from another CPU
+    assert evalkit(monkeypatch, capsys, *args)[0] == 0
+    stored = json.loads((folder / "config.json").read_text())
+    assert stored["machine"]["cpu_capability"] == "AVX2"
+    assert [(entry["from_sample"], entry["machine"]) for entry in stored["later_machines"]] == [(1, here)]
+
+    interrupt_after(2, None)  # resumed on the machine that computed its last samples: nothing to add
+    assert evalkit(monkeypatch, capsys, *args)[0] == 0
+    assert json.loads((folder / "config.json").read_text())["later_machines"] == stored["later_machines"]
+
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # the same CPU told to take other kernels
+    interrupt_after(2, None)
+    assert evalkit(monkeypatch, capsys, *args)[0] == 0
+    later = json.loads((folder / "config.json").read_text())["later_machines"]
+    assert [(entry["from_sample"], entry["machine"]) for entry in later] == \
+        [(1, here), (2, {**here, "mkl_instructions": "AVX2"})]
+
+
 # ---- one line, exit 2, before any model loads -------------------------------------------------------------
 
 NINES = "9" * 400
