@@ -601,6 +601,24 @@ def head_tokens(layer, b, h):
             for i, p in enumerate(positions)}
 
 
+def check_stamps(layer, stamped: dict, used: set) -> None:
+    """Each live token's stamp (`SlotLayer.stamps`) is the one it got when written, wherever it moved since, and
+    a token new since the last check has one no token of this layer had before. `stamped`: {(b, h, position):
+    stamp} of the tokens held at the last check, `used`: every stamp seen so far; both kept across calls."""
+    view = layer.read()
+    stamps = layer.gather(layer.stamps, view.index)
+    live = {(b, h, int(view.pos[b, h, i])): int(stamps[b, h, i]) for b, h, i in (view.pos >= 0).nonzero().tolist()}
+    assert len(set(live.values())) == len(live), "two tokens share a stamp"
+    for token, stamp in live.items():
+        if token in stamped:
+            assert stamped[token] == stamp, f"token {token} changed its stamp"
+        else:
+            assert stamp not in used, f"token {token} got a stamp an earlier token had"
+    stamped.clear()
+    stamped.update(live)
+    used.update(live.values())
+
+
 def check_paged(layer, model, data, peak, after_compact):
     S, pool = layer.page_size, layer.pool
     # pool bookkeeping
@@ -661,8 +679,8 @@ def check_per_slot_memo(layer):
 
 @pytest.mark.parametrize("make", [lambda: paged(2, 3, 40, 4), lambda: dense(2, 3, 24)])
 def test_a_filled_layer_keeps_what_its_source_kept_of_each_token(make):
-    """`fill` (a shared prefill's branch taking the tokens its policy kept) carries `per_slot`'s values with
-    the tokens: the branch's first ask computes nothing, and equals a fresh computation."""
+    """`fill` (a shared prefill's branch taking the tokens its policy kept) carries `per_slot`'s values and the
+    stamps with the tokens: the branch's first ask computes nothing, and equals a fresh computation."""
     source, branch = make(), make()
     append(source, [list(range(20)), list(range(100, 120))], valid=[[True] * 20, [True] * 17 + [False] * 3])
     asked = []
@@ -684,6 +702,10 @@ def test_a_filled_layer_keeps_what_its_source_kept_of_each_token(make):
     assert int(live.sum()) == int((keep & (source.read().pos >= 0)).sum()) > 0
     assert torch.equal(branch.per_slot("probe", view.index, of_slots(branch))[live], of_slots(branch)(view.index)[live])
     assert asked == [int(live.sum())]  # only the fresh computation above read a token
+    stamps = {layer: {(b, h, int(p)): int(stamp) for (b, h, _), p, stamp in zip(
+        (view.pos >= 0).nonzero().tolist(), view.pos[view.pos >= 0], layer.gather(layer.stamps, view.index)[view.pos >= 0])}
+        for layer, view in ((source, source.read()), (branch, branch.read()))}
+    assert stamps[branch].items() <= stamps[source].items()  # each token's K and V bits, as its stamp says
 
 
 @pytest.mark.parametrize("make", [lambda: paged(2, 3, 40, 4), lambda: dense(2, 3, 24)])
@@ -765,6 +787,7 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
     model, dmodel = PagedModel(B, H, S, num_pages), DenseModel(B, H, capacity)
     data = [[{} for _ in range(H)] for _ in range(B)]  # position -> (k, v, stat) per head
     peak = [[0] * H for _ in range(B)]  # most tokens a head held since the last compact
+    stamped, used = ({}, {}), (set(), set())  # each layout's tokens' stamps, and all it handed out (`check_stamps`)
     seen = [0] * B
 
     for step in ops:
@@ -848,6 +871,8 @@ def test_random_operations_match_the_model_on_both_layouts(B, H, S, extra_pages,
                 slot = torch.arange(live.shape[-1])
                 assert torch.equal(live, (slot < end[..., None]) & (slot != hole[..., None])), (live, hole, end)
             check_trimmed_read(layer)
+        for layer, held, handed_out in zip((pl, dl), stamped, used):
+            check_stamps(layer, held, handed_out)
         check_tokens(dl, data)
         assert dl.bytes_held().tolist() == [H * capacity * TOKEN_BYTES] * B
         assert torch.equal(pl.live_counts(), dl.live_counts())

@@ -732,17 +732,22 @@ def test_lagkv_channel_std_is_torchs_std_bit_for_bit():
 @pytest.mark.parametrize("evict", ["its own choice", "anywhere", "none", "rewrite"])
 def test_lagkv_decode_steps_reuse_unchanged_partitions_with_the_same_scores(evict, monkeypatch):
     """Decode eviction re-scores LagKV every step. With the memo a layer's cache keeps (`ScoreInput.memo`), holding
-    the ranks of the partitions with the same positions and key and value bits as in the last call
-    (`LagKV._ranks`), LagKV scores 40 steps exactly as without it: two heads of 1,100 tokens (4 sinks, lag 128),
+    the ranks of the partitions whose tokens have the same stamps as in the last call (`ScoreInput.stamps`,
+    `LagKV._ranks`), LagKV scores 40 steps exactly as without it: two heads of 1,100 tokens (4 sinks, lag 128),
     each step a new token written into a freed slot (slots not in position order) after the policy's own
-    eviction, a random one, or none (the head grows and its partitions move), or a held token given another key
-    or value at the same position (as another cache of the same prompt would hold: positions the same, bits
-    not). With its own choice (the lowest score, ties to the later position: the last judged partition's first)
-    a step works out the last two or three judged partitions of seven, where a call without it works out all."""
+    eviction, a random one, or none (the head grows and its partitions move), or a held token written again with
+    another key or value at the same position (a new stamp, as the storage gives every write). With its own
+    choice (the lowest score, ties to the later position: the last judged partition's first) a step gathers and
+    works out the last two or three judged partitions of seven, where a call without it works out all."""
     from evalkit.policies import lagkv
 
     generator = torch.Generator().manual_seed(0)
-    kv_of = {}  # position -> (key, value): a token's K and V never change
+    kv_of, stamp_of = {}, {}  # position -> (key, value), and its write's stamp
+
+    def stamps(positions):
+        for p in positions.flatten().tolist():
+            stamp_of.setdefault(p, len(stamp_of) + 1000)
+        return torch.tensor([stamp_of[p] for p in positions.flatten().tolist()]).view(positions.shape)
 
     def rows(positions, which):
         for p in positions.flatten().tolist():
@@ -758,7 +763,7 @@ def test_lagkv_decode_steps_reuse_unchanged_partitions_with_the_same_scores(evic
         worked_out.__setitem__(0, worked_out[0] + len(parts) - 1) or spread(self, parts)))
     for step in range(40):
         inp = score_input(keys=rows(positions, 0), positions=positions.clone(), layer=3)
-        inp.values = rows(positions, 1)
+        inp.values, inp.stamps = rows(positions, 1), stamps(positions)
         counted = worked_out[0]
         fresh = policy.score(inp)  # without the memo: every partition worked out, not counted
         worked_out[0], inp.memo = counted, memo
@@ -770,8 +775,10 @@ def test_lagkv_decode_steps_reuse_unchanged_partitions_with_the_same_scores(evic
             positions = torch.cat([positions, torch.full((1, H, 1), newest)], -1)
             continue
         if evict == "rewrite":
-            key, value = kv_of[int(torch.randint(N, (1,), generator=generator))]
+            position = int(torch.randint(N, (1,), generator=generator))
+            key, value = kv_of[position]
             (key if step % 2 else value).copy_(torch.randn(64, generator=generator))  # the key's bits, or the value's
+            stamp_of[position] = -step - 1  # written again: a stamp never handed out before
             continue
         for h in range(H):
             if evict == "its own choice":  # the lowest score, ties to the later position
@@ -786,16 +793,22 @@ def test_lagkv_decode_steps_reuse_unchanged_partitions_with_the_same_scores(evic
 def test_lagkv_under_decode_eviction_gives_the_same_tokens_with_the_cache_kept_memo(monkeypatch):
     """The loop hands LagKV its layer's memo (`ScoreInput.memo`, `SlotLayer.scorer_memo`): a tiny Llama, a
     120-token prompt, lag 8, budget 0.5 and 12 tokens decoded with eviction give the same tokens and keep the same
-    tokens in every layer and head with the memo as with a memo that never matches; the prompt's compression
-    leaves the memo empty (its partitions all move: keeping them would hold the prompt's K and V for nothing),
+    tokens in every layer and head with the memo as without it; the prompt's compression
+    leaves the memo empty (its partitions all move),
     and the cache holds the ranks for both heads of every layer when decoding ends."""
     from evalkit.policies import lagkv
 
     model = tiny_model()
     prompt = (torch.arange(120) * 37 % 125 + 3).tolist()
 
+    worked_out = [0]  # partitions worked out (keys' and values')
+    spread = lagkv.LagKV._spread
+    monkeypatch.setattr(lagkv.LagKV, "_spread", lambda self, parts: (
+        worked_out.__setitem__(0, worked_out[0] + len(parts) - 1) or spread(self, parts)))
+
     def run():
         caches, remembered_after_prefill = [], []
+        worked_out[0] = 0
 
         def observe(event, cache):
             caches.append(cache)
@@ -806,14 +819,16 @@ def test_lagkv_under_decode_eviction_gives_the_same_tokens_with_the_cache_kept_m
         out = generate(model, None, [Request(prompt, [], 12)], GenerationSettings(policy, budget=0.5), observe=observe)
         positions = [layer.gather(layer.pos, layer.slot_index()).sort(-1).values for layer in caches[-1].layers]
         assert remembered_after_prefill == [0, 0]  # the prompt's compression remembers nothing (all of it moved)
-        return out[0].token_ids, positions, caches[-1]
+        return out[0].token_ids, positions, caches[-1], worked_out[0]
 
-    tokens, kept, cache = run()
+    tokens, kept, cache, with_memo = run()
     assert len(tokens) > 5  # decoded with eviction (EOS may end it early)
     assert [sorted(layer.scorer_memo) for layer in cache.layers] == [[("lagkv_ranks", 4, 8, (0, h)) for h in (0, 1)]] * 2
-    monkeypatch.setattr(lagkv, "_same_bits", lambda x, y: False)
-    never_tokens, never_kept, _ = run()
+    ranks = lagkv.LagKV._ranks  # every partition worked out, as without the memo
+    monkeypatch.setattr(lagkv.LagKV, "_ranks", lambda self, rows, judged, memo, head: ranks(self, rows, None, memo, head))
+    never_tokens, never_kept, _, without = run()
     assert tokens == never_tokens and all(torch.equal(a, b) for a, b in zip(kept, never_kept))
+    assert with_memo < without  # the storage's stamps let decode steps keep some partitions' ranks
 
 
 @pytest.mark.parametrize("cap, tail_kept", [(192, False), (383, True)])

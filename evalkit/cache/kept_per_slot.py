@@ -1,8 +1,10 @@
 """What a layer keeps derived from each slot's token, so a decode step does not recompute it over every kept
 token: the keys' norms (`key_norms`: written with every key once asked for, so a static step reads them too)
 and quantities that also depend on the slot's KV head (`per_slot`: computed lazily for the slots written
-since the last ask). `KeptPerSlot` holds these methods of `SlotLayer` (evalkit/cache/storage.py); every
-write of a slot calls `_kept_written`, every write through a packed layer's view `_kept_after_packed`.
+since the last ask), and each slot's write stamp (`stamps`: which write put its token there, carried when the
+token moves), by which a scorer's memo knows a token it saw before. `KeptPerSlot` holds these methods of
+`SlotLayer` (evalkit/cache/storage.py); every write of a slot calls `_kept_written`, every write through a
+packed layer's view `_kept_after_packed`.
 Forks of one shared prefill that store its whole prompt share what `per_slot` computes first (`share_kept`).
 """
 
@@ -12,6 +14,22 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+
+# Per device, the next stamp; a tensor, so that a CUDA graph's replay (a static decode step) takes new ones too.
+_NEXT_STAMP: dict[torch.device, torch.Tensor] = {}
+
+
+def new_stamps(n: int, device: torch.device) -> torch.Tensor:
+    """[n] int64 stamps never handed out before in this process: one per slot written, so a token written again
+    at the same position, in the same slot or in another sequence or head, never looks like one seen before."""
+    if device not in _NEXT_STAMP:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            _NEXT_STAMP[device] = torch.zeros((), dtype=torch.long, device=device)
+    counter = _NEXT_STAMP[device]
+    stamps = torch.arange(n, dtype=torch.long, device=device) + counter
+    counter += n
+    return stamps
 
 
 def key_norms_of(k: torch.Tensor) -> torch.Tensor:
@@ -48,6 +66,10 @@ class KeptPerSlot:
     """`SlotLayer`'s kept per-slot quantities, mixed into it: uses its slot arrays (`k`, `pos`) and `gather`."""
 
     def _init_kept(self) -> None:
+        # [slots] int64 each slot's token's stamp (`new_stamps`: one per slot written), carried when the token moves
+        # (compaction, `fill`): the same stamp seen twice is the same token with the same K and V bits
+        # (`ScoreInput.stamps`: LagKV's memo keeps the ranks of the partitions it saw).
+        self.stamps = new_stamps(self.pos.shape[0], self.pos.device)
         self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
         # name -> (each slot's value [slots], fresh [slots] bool: not written since): `per_slot`'s memo
         self._remembered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -104,19 +126,24 @@ class KeptPerSlot:
 
     def _kept_written(self, slots: torch.Tensor, k: torch.Tensor) -> None:
         """Keys k [n, D] were written to `slots` [n]: their norms kept, whatever else was kept of them stale."""
+        self.stamps.index_copy_(0, slots, new_stamps(slots.shape[0], self.stamps.device))
         if self._key_norms is not None:
             self._key_norms.index_copy_(0, slots, key_norms_of(k))
         for _, fresh in self._remembered.values():
             fresh.index_fill_(0, slots, False)
 
-    def _kept_of(self, src: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """What `per_slot` keeps of the tokens in slots `src` [n], read before they move (compaction, `fill`)."""
-        return {name: (kept.index_select(0, src), fresh.index_select(0, src))
-                for name, (kept, fresh) in self._remembered.items()}
+    def _kept_of(self, src: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The stamps of the tokens in slots `src` [n] and what `per_slot` keeps of them, read before they move
+        (compaction, `fill`)."""
+        return self.stamps.index_select(0, src), {name: (kept.index_select(0, src), fresh.index_select(0, src))
+                                                  for name, (kept, fresh) in self._remembered.items()}
 
-    def _kept_moved(self, dst: torch.Tensor, moved: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The tokens `_kept_of` read were just written to slots `dst` [n]: each keeps what was kept of it, as its
-        KV head does not change."""
+    def _kept_moved(self, dst: torch.Tensor,
+                    moved: tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """The tokens `_kept_of` read were just written to slots `dst` [n]: each keeps its stamp (the same bits)
+        and what was kept of it, as its KV head does not change."""
+        stamps, moved = moved
+        self.stamps.index_copy_(0, dst, stamps)
         for name, (kept, fresh) in moved.items():
             if name not in self._remembered:
                 self._remembered[name] = (kept.new_zeros(self.pos.shape), fresh.new_zeros(self.pos.shape))
@@ -127,5 +154,7 @@ class KeptPerSlot:
     def _kept_after_packed(self, k: torch.Tensor) -> list[tuple[torch.Tensor, object]]:
         """(per-slot array, what the new tokens' slots take) for keys k [B, H_kv, T, D] written through a
         packed layer's view (`_write_after_packed`)."""
-        written = [] if self._key_norms is None else [(self._key_norms, key_norms_of(k))]
+        written = [(self.stamps, new_stamps(k[..., 0].numel(), self.stamps.device).view(k.shape[:3]))]
+        if self._key_norms is not None:
+            written.append((self._key_norms, key_norms_of(k)))
         return written + [(fresh, False) for _, fresh in self._remembered.values()]

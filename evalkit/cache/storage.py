@@ -211,7 +211,8 @@ class SlotLayer(FrozenSlots, KeptPerSlot):
         self._kept_written(slots, k)
 
     def _lift(self, src: torch.Tensor) -> tuple:
-        """All that slots `src` [n] hold (K, V, positions, statistics, what `per_slot` keeps), read before they move."""
+        """All that slots `src` [n] hold (K, V, positions, statistics, stamps and what `per_slot` keeps), read before
+        they move."""
         return (*(rows.index_select(0, src) for rows in (self.k, self.v, self.pos, self.stats)), self._kept_of(src))
 
     def _set_down(self, dst: torch.Tensor, lifted: tuple) -> None:

@@ -1,6 +1,6 @@
 from dataclasses import dataclass
+from typing import Callable
 
-import numpy as np
 import torch
 
 from evalkit.policies.arguments import PROMPT, arg
@@ -41,64 +41,74 @@ class LagKV(Policy):
         memo = inp.memo
         if memo is not None and inp.caps is not None and \
                 bool(((inp.positions >= 0).sum((1, 2)) - inp.caps * H >= H * self.lag_size).any()):
-            memo.clear()  # a prompt's compression: its partitions all move, and the memo would hold its K and V
+            memo.clear()  # a prompt's compression: its partitions all move, nothing of the last call holds
             memo = None
+        stamps = None if memo is None else inp.stamps
         for b in range(B):
             for h in range(H):
                 held = (inp.positions[b, h] >= 0).nonzero()[:, 0]
-                positions, by_position = inp.positions[b, h].index_select(0, held).sort()
-                order = held[by_position]  # slots in position order
-                # whole rows copied (index_select): decode eviction gathers every held token's K and V each step
-                scores[b, h, order] = self.sequence_scores(inp.keys[b, h].index_select(0, order).float(),
-                                                           inp.values[b, h].index_select(0, order).float(),
-                                                           positions, memo, (b, h))
+                order = held[inp.positions[b, h].index_select(0, held).argsort()]  # slots in position order
+                seen = None if stamps is None else stamps[b, h].index_select(0, order)
+                scores[b, h, order] = self.sequence_scores(inp.keys[b, h], inp.values[b, h], order, seen,
+                                                           memo, (b, h))
         return scores
 
-    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None,
-                        memo: dict | None = None, head: tuple | None = None) -> torch.Tensor:
-        """[n] scores of one head's tokens in position order; keys, values: [n, D]. With their `positions` [n], a
-        `memo` kept between calls (`ScoreInput.memo`) and the `head` (sequence, KV head), the partitions the last
-        call for that head worked out from the same tokens and bits keep its ranks (`_ranks`)."""
-        n, sink, lag = keys.shape[0], self.sink_tokens, self.lag_size
+    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None = None,
+                        seen: torch.Tensor | None = None, memo: dict | None = None,
+                        head: tuple | None = None) -> torch.Tensor:
+        """[n] scores of one head's tokens in position order; keys, values: [N, D] the head's slots, `order` [n]
+        the held ones in position order (None: all N, in order). With `seen` (their stamps [n],
+        `ScoreInput.stamps`), a `memo` kept between calls (`ScoreInput.memo`) and the `head` (sequence, KV
+        head), the partitions the last call for that head worked out from the same tokens keep its ranks, and
+        only the rows of the partitions left to work out are gathered (`_ranks`)."""
+        n = keys.shape[0] if order is None else order.shape[0]
+        sink, lag = self.sink_tokens, self.lag_size
         score = torch.ones(n, device=keys.device)
         if n < sink + 2 * lag:
             if n > sink:
                 score[sink:] = torch.arange(n - sink, device=keys.device) / (n - sink)
             return score
         end = sink + (n - sink) // lag * lag
-        partitions = (end - sink) // lag
-        score[sink:end - lag] = self._ranks(keys[sink:end].view(partitions, lag, -1),
-                                            values[sink:end].view(partitions, lag, -1),
-                                            None if positions is None else positions[sink:end], memo, head).flatten()
+        judged = None if seen is None or memo is None else seen[sink:end]
+
+        def rows(first: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """[P', lag, D] float32 keys and values of the tokens sink + first .. end - 1 (whole partitions)."""
+            if order is None:
+                picked = keys[sink + first:end], values[sink + first:end]
+            else:  # whole rows copied (index_select): only the partitions to work out
+                slots = order[sink + first:end]
+                picked = keys.index_select(0, slots), values.index_select(0, slots)
+            return tuple(x.float().reshape(-1, lag, x.shape[-1]) for x in picked)
+
+        score[sink:end - lag] = self._ranks(rows, judged, memo, head).flatten()
         return score
 
-    def _ranks(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None, memo: dict | None,
-               head: tuple | None) -> torch.Tensor:
-        """[P - 1, lag] each judged partition's token ranks over lag; keys, values: [P, lag, D] the partitions,
-        positions: [P * lag] their tokens' positions (None, or no `memo`: nothing remembered).
+    def _ranks(self, rows: Callable[[int], tuple[torch.Tensor, torch.Tensor]], judged: torch.Tensor | None,
+               memo: dict | None, head: tuple | None) -> torch.Tensor:
+        """[P - 1, lag] each judged partition's token ranks over lag; `rows(first)`: the partitions' keys and values
+        [P - first / lag, lag, D] from token `first` of the first partition on; `judged`: the partitions' tokens'
+        stamps [P * lag] (None, or no `memo`: nothing remembered).
 
         Partition i's ranks read partitions i and i + 1 only, and decode eviction re-scores every step a head whose
-        partitions changed only from the evicted token's on: the leading partitions that hold the same positions
-        and the same key and value bits as in the last call for this `head` keep that call's ranks (a function of
-        those bits alone, computed partition by partition), so a step works out the changed tail only."""
-        remember = positions is not None and memo is not None
+        partitions changed only from the evicted token's on: the leading partitions that hold the same tokens
+        (the same stamps: the same key and value bits) as in the last call for this `head` keep that call's
+        ranks (a function of those bits alone, computed partition by partition), so a step gathers and works out
+        the changed tail only."""
         key = ("lagkv_ranks", self.sink_tokens, self.lag_size, head)
-        last = memo.get(key) if remember else None
-        lag, reused = keys.shape[1], 0
+        last = None if judged is None else memo.get(key)
+        lag, reused = self.lag_size, 0
         if last is not None:
-            common = min(len(positions), len(last[0]))
-            moved = (positions[:common] != last[0][:common]).nonzero()
+            common = min(len(judged), len(last[0]))
+            moved = (judged[:common] != last[0][:common]).nonzero()
             same_partitions = (int(moved[0]) if len(moved) else common) // lag  # at most either call's partitions
             reused = max(0, same_partitions - 1)
-            if reused and not (_same_bits(keys[:reused + 1], last[1][:reused + 1])
-                               and _same_bits(values[:reused + 1], last[2][:reused + 1])):
-                reused = 0
-        spread = (self._spread(keys[reused:]) + self._spread(values[reused:])) / 2  # [P - 1 - reused, lag]
+        keys, values = rows(reused * lag)
+        spread = (self._spread(keys) + self._spread(values)) / 2  # [P - 1 - reused, lag]
         ranks = spread.argsort(-1).argsort(-1) / lag
         if reused:
-            ranks = torch.cat([last[3][:reused], ranks])
-        if remember:
-            memo[key] = (positions, keys, values, ranks)
+            ranks = torch.cat([last[1][:reused], ranks])
+        if judged is not None:
+            memo[key] = (judged, ranks)
         return ranks
 
     def select(self, scores, positions, seen, caps, page_size, recent, span=None) -> torch.Tensor:
@@ -125,14 +135,6 @@ class LagKV(Policy):
         reference, judged = parts[1:], parts[:-1]
         low, high = reference.amin(1, keepdim=True), reference.amax(1, keepdim=True)
         return channel_std((judged - low).div_(high - low)).softmax(-1)
-
-
-def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Whether contiguous float32 x and y hold the same bits (-0.0 is not 0.0, NaN is NaN). On the CPU numpy's
-    comparison, a quarter of `torch.equal`'s time on a partition's keys here."""
-    if x.device.type == "cpu":
-        return np.array_equal(x.numpy().view(np.int32), y.numpy().view(np.int32))
-    return torch.equal(x.view(torch.int32), y.view(torch.int32))
 
 
 def channel_std(x: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from evalkit.policies.query_moments import QueryMoments
 
 # What a scorer may read that costs a gather or a copy: read on first use only (`ScoreInput.sources`).
-_READ_ON_DEMAND = frozenset({"keys", "key_norms", "values", "queries", "rope", "output_projection"})
+_READ_ON_DEMAND = frozenset({"keys", "key_norms", "values", "stamps", "queries", "rope", "output_projection"})
 
 
 @dataclass
@@ -38,6 +38,9 @@ class ScoreInput:
     # what the scorer keeps from one call to the next on this layer's cache, and dies with it (None: keep nothing);
     # a scorer must give what it would give without it (LagKV's ranks of unchanged partitions)
     memo: dict | None = None
+    # [B, H_kv, N] int64 the write that put each slot's token in the cache (`SlotLayer.stamps`): within one memo's
+    # life, a token seen again with the same position and stamp has the same K and V bits (None: no memo)
+    stamps: torch.Tensor | None = None
     sources: dict[str, Callable[[], object]] = field(default_factory=dict, repr=False)  # field -> its maker
 
     def __getattribute__(self, name: str):
