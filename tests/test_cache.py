@@ -606,7 +606,7 @@ def check_stamps(layer, stamped: dict, used: set) -> None:
     a token new since the last check has one no token of this layer had before. `stamped`: {(b, h, position):
     stamp} of the tokens held at the last check, `used`: every stamp seen so far; both kept across calls."""
     view = layer.read()
-    stamps = layer.gather(layer.stamps, view.index)
+    stamps = layer.gather(layer.stamps(), view.index)
     live = {(b, h, int(view.pos[b, h, i])): int(stamps[b, h, i]) for b, h, i in (view.pos >= 0).nonzero().tolist()}
     assert len(set(live.values())) == len(live), "two tokens share a stamp"
     for token, stamp in live.items():
@@ -694,6 +694,7 @@ def test_a_filled_layer_keeps_what_its_source_kept_of_each_token(make):
 
     view = source.read()
     source.per_slot("probe", view.index, of_slots(source))
+    source.stamps()  # kept from here on
     keep = torch.rand(view.pos.shape, generator=torch.Generator().manual_seed(0)) < 0.5
     branch.fill(source, view.index, keep & (view.pos >= 0))
     asked.clear()
@@ -702,9 +703,11 @@ def test_a_filled_layer_keeps_what_its_source_kept_of_each_token(make):
     assert int(live.sum()) == int((keep & (source.read().pos >= 0)).sum()) > 0
     assert torch.equal(branch.per_slot("probe", view.index, of_slots(branch))[live], of_slots(branch)(view.index)[live])
     assert asked == [int(live.sum())]  # only the fresh computation above read a token
-    stamps = {layer: {(b, h, int(p)): int(stamp) for (b, h, _), p, stamp in zip(
-        (view.pos >= 0).nonzero().tolist(), view.pos[view.pos >= 0], layer.gather(layer.stamps, view.index)[view.pos >= 0])}
-        for layer, view in ((source, source.read()), (branch, branch.read()))}
+    stamps = {}  # layer -> {(b, h, position): stamp}
+    for layer in (source, branch):
+        view = layer.read()
+        live, held = view.pos >= 0, layer.gather(layer.stamps(), view.index)
+        stamps[layer] = {(b, h, int(view.pos[b, h, i])): int(held[b, h, i]) for b, h, i in live.nonzero().tolist()}
     assert stamps[branch].items() <= stamps[source].items()  # each token's K and V bits, as its stamp says
 
 

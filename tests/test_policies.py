@@ -825,7 +825,8 @@ def test_lagkv_under_decode_eviction_gives_the_same_tokens_with_the_cache_kept_m
     assert len(tokens) > 5  # decoded with eviction (EOS may end it early)
     assert [sorted(layer.scorer_memo) for layer in cache.layers] == [[("lagkv_ranks", 4, 8, (0, h)) for h in (0, 1)]] * 2
     ranks = lagkv.LagKV._ranks  # every partition worked out, as without the memo
-    monkeypatch.setattr(lagkv.LagKV, "_ranks", lambda self, rows, judged, memo, head: ranks(self, rows, None, memo, head))
+    monkeypatch.setattr(lagkv.LagKV, "_ranks", lambda self, rows, judged, memo, head: ranks(self, rows, None, memo,
+                                                                                              head))
     never_tokens, never_kept, _, without = run()
     assert tokens == never_tokens and all(torch.equal(a, b) for a, b in zip(kept, never_kept))
     assert with_memo < without  # the storage's stamps let decode steps keep some partitions' ranks

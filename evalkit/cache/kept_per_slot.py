@@ -1,8 +1,8 @@
 """What a layer keeps derived from each slot's token, so a decode step does not recompute it over every kept
 token: the keys' norms (`key_norms`: written with every key once asked for, so a static step reads them too)
 and quantities that also depend on the slot's KV head (`per_slot`: computed lazily for the slots written
-since the last ask), and each slot's write stamp (`stamps`: which write put its token there, carried when the
-token moves), by which a scorer's memo knows a token it saw before. `KeptPerSlot` holds these methods of
+since the last ask), and each slot's stamp (`stamps`: kept from the first ask on, new with every write, carried
+when the token moves), by which a scorer's memo knows a token it saw before. `KeptPerSlot` holds these methods of
 `SlotLayer` (evalkit/cache/storage.py); every write of a slot calls `_kept_written`, every write through a
 packed layer's view `_kept_after_packed`.
 Forks of one shared prefill that store its whole prompt share what `per_slot` computes first (`share_kept`).
@@ -66,14 +66,20 @@ class KeptPerSlot:
     """`SlotLayer`'s kept per-slot quantities, mixed into it: uses its slot arrays (`k`, `pos`) and `gather`."""
 
     def _init_kept(self) -> None:
-        # [slots] int64 each slot's token's stamp (`new_stamps`: one per slot written), carried when the token moves
-        # (compaction, `fill`): the same stamp seen twice is the same token with the same K and V bits
-        # (`ScoreInput.stamps`: LagKV's memo keeps the ranks of the partitions it saw).
-        self.stamps = new_stamps(self.pos.shape[0], self.pos.device)
+        self._stamps: torch.Tensor | None = None  # [slots] int64, kept from the first `stamps()` on
         self._key_norms: torch.Tensor | None = None  # [slots] float64, kept from the first `key_norms()` on
         # name -> (each slot's value [slots], fresh [slots] bool: not written since): `per_slot`'s memo
         self._remembered: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._of_prompt: KeptOfPrompt | None = None  # where a shared prefill's fork gives what it computes first
+
+    def stamps(self) -> torch.Tensor:
+        """[slots] int64 each slot's token's stamp (`new_stamps`): new for every slot written from the first ask on,
+        carried when the token moves (compaction, a page slide, `fill`), so the same stamp seen twice is the same
+        token with the same K and V bits (`ScoreInput.stamps`: LagKV's memo keeps the ranks of the partitions it
+        saw). Until a scorer asks, no write pays for them."""
+        if self._stamps is None:
+            self._stamps = new_stamps(self.pos.shape[0], self.pos.device)
+        return self._stamps
 
     def key_norms(self) -> torch.Tensor:
         """[slots] float64 L2 norm of each slot's key. Computed for every slot when first asked for, then
@@ -126,24 +132,28 @@ class KeptPerSlot:
 
     def _kept_written(self, slots: torch.Tensor, k: torch.Tensor) -> None:
         """Keys k [n, D] were written to `slots` [n]: their norms kept, whatever else was kept of them stale."""
-        self.stamps.index_copy_(0, slots, new_stamps(slots.shape[0], self.stamps.device))
+        if self._stamps is not None:
+            self._stamps.index_copy_(0, slots, new_stamps(slots.shape[0], self._stamps.device))
         if self._key_norms is not None:
             self._key_norms.index_copy_(0, slots, key_norms_of(k))
         for _, fresh in self._remembered.values():
             fresh.index_fill_(0, slots, False)
 
-    def _kept_of(self, src: torch.Tensor) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """The stamps of the tokens in slots `src` [n] and what `per_slot` keeps of them, read before they move
-        (compaction, `fill`)."""
-        return self.stamps.index_select(0, src), {name: (kept.index_select(0, src), fresh.index_select(0, src))
+    def _kept_of(self, src: torch.Tensor) -> tuple[torch.Tensor | None,
+                                                   dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """The stamps of the tokens in slots `src` [n] (None: never asked for) and what `per_slot` keeps of them,
+        read before they move (compaction, `fill`)."""
+        stamps = None if self._stamps is None else self._stamps.index_select(0, src)
+        return stamps, {name: (kept.index_select(0, src), fresh.index_select(0, src))
                                                   for name, (kept, fresh) in self._remembered.items()}
 
     def _kept_moved(self, dst: torch.Tensor,
-                    moved: tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        """The tokens `_kept_of` read were just written to slots `dst` [n]: each keeps its stamp (the same bits)
-        and what was kept of it, as its KV head does not change."""
+                    moved: tuple[torch.Tensor | None, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """The tokens `_kept_of` read were just written to slots `dst` [n]: each keeps its stamp (the same bits;
+        where it had none, the write's new one) and what was kept of it, as its KV head does not change."""
         stamps, moved = moved
-        self.stamps.index_copy_(0, dst, stamps)
+        if stamps is not None:
+            self.stamps().index_copy_(0, dst, stamps)
         for name, (kept, fresh) in moved.items():
             if name not in self._remembered:
                 self._remembered[name] = (kept.new_zeros(self.pos.shape), fresh.new_zeros(self.pos.shape))
@@ -154,7 +164,8 @@ class KeptPerSlot:
     def _kept_after_packed(self, k: torch.Tensor) -> list[tuple[torch.Tensor, object]]:
         """(per-slot array, what the new tokens' slots take) for keys k [B, H_kv, T, D] written through a
         packed layer's view (`_write_after_packed`)."""
-        written = [(self.stamps, new_stamps(k[..., 0].numel(), self.stamps.device).view(k.shape[:3]))]
+        written = [] if self._stamps is None else \
+            [(self._stamps, new_stamps(k[..., 0].numel(), self._stamps.device).view(k.shape[:3]))]
         if self._key_norms is not None:
             written.append((self._key_norms, key_norms_of(k)))
         return written + [(fresh, False) for _, fresh in self._remembered.values()]

@@ -167,7 +167,7 @@ def score_input(state: LoopState, view, layer_idx: int, caps: torch.Tensor, stat
     return ScoreInput(None, view.pos, view.stats, layer_idx, state.settings.seed, stat_end, caps=caps, span=span,
                       remembered=remembered, memo=None if span is not None else layer.scorer_memo,
                       sources={"keys": lambda: view.k, "key_norms": lambda: view.key_norms, "values": lambda: view.v,
-                               "stamps": lambda: layer.gather(layer.stamps, view.index),
+                               "stamps": lambda: layer.gather(layer.stamps(), view.index),
                                "queries": lambda: state.moments[0], "rope": lambda: rope_of(state.model),
                                "output_projection": lambda: output_projection(state.model, layer_idx)})
 
