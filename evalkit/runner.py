@@ -271,7 +271,8 @@ def machine(model) -> dict:
 def _provenance(config: RunConfig, policy, model) -> dict:
     return {"config": config.to_dict(), "run_id": config.run_id(), "policy": repr(policy),
             "model_class": type(model).__name__, "versions": package_versions(_PACKAGES),
-            "python": platform.python_version(), "machine": machine(model), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "python": platform.python_version(), "machine": machine(model),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def _note_the_machine(run_dir: RunDir, provenance: dict, resumed_at: int) -> None:

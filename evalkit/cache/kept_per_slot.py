@@ -145,7 +145,7 @@ class KeptPerSlot:
         read before they move (compaction, `fill`)."""
         stamps = None if self._stamps is None else self._stamps.index_select(0, src)
         return stamps, {name: (kept.index_select(0, src), fresh.index_select(0, src))
-                                                  for name, (kept, fresh) in self._remembered.items()}
+                        for name, (kept, fresh) in self._remembered.items()}
 
     def _kept_moved(self, dst: torch.Tensor,
                     moved: tuple[torch.Tensor | None, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> None:

@@ -53,15 +53,15 @@ class LagKV(Policy):
                                                            memo, (b, h))
         return scores
 
-    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor | None = None,
+    def sequence_scores(self, keys: torch.Tensor, values: torch.Tensor, order: torch.Tensor,
                         seen: torch.Tensor | None = None, memo: dict | None = None,
                         head: tuple | None = None) -> torch.Tensor:
         """[n] scores of one head's tokens in position order; keys, values: [N, D] the head's slots, `order` [n]
-        the held ones in position order (None: all N, in order). With `seen` (their stamps [n],
+        the held ones in position order. With `seen` (their stamps [n],
         `ScoreInput.stamps`), a `memo` kept between calls (`ScoreInput.memo`) and the `head` (sequence, KV
         head), the partitions the last call for that head worked out from the same tokens keep its ranks, and
         only the rows of the partitions left to work out are gathered (`_ranks`)."""
-        n = keys.shape[0] if order is None else order.shape[0]
+        n = order.shape[0]
         sink, lag = self.sink_tokens, self.lag_size
         score = torch.ones(n, device=keys.device)
         if n < sink + 2 * lag:
@@ -73,12 +73,8 @@ class LagKV(Policy):
 
         def rows(first: int) -> tuple[torch.Tensor, torch.Tensor]:
             """[P', lag, D] float32 keys and values of the tokens sink + first .. end - 1 (whole partitions)."""
-            if order is None:
-                picked = keys[sink + first:end], values[sink + first:end]
-            else:  # whole rows copied (index_select): only the partitions to work out
-                slots = order[sink + first:end]
-                picked = keys.index_select(0, slots), values.index_select(0, slots)
-            return tuple(x.float().reshape(-1, lag, x.shape[-1]) for x in picked)
+            slots = order[sink + first:end]  # whole rows copied (index_select): only the partitions to work out
+            return tuple(x.index_select(0, slots).float().view(-1, lag, x.shape[-1]) for x in (keys, values))
 
         score[sink:end - lag] = self._ranks(rows, judged, memo, head).flatten()
         return score

@@ -38,8 +38,8 @@ class ScoreInput:
     # what the scorer keeps from one call to the next on this layer's cache, and dies with it (None: keep nothing);
     # a scorer must give what it would give without it (LagKV's ranks of unchanged partitions)
     memo: dict | None = None
-    # [B, H_kv, N] int64 the write that put each slot's token in the cache (`SlotLayer.stamps`): within one memo's
-    # life, a token seen again with the same position and stamp has the same K and V bits (None: no memo)
+    # [B, H_kv, N] int64 each slot's token's stamp (`SlotLayer.stamps`): a stamp seen again, in any later call on
+    # this layer's cache, is the same token with the same K and V bits (None: no memo)
     stamps: torch.Tensor | None = None
     sources: dict[str, Callable[[], object]] = field(default_factory=dict, repr=False)  # field -> its maker
 
